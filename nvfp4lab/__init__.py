@@ -1,0 +1,49 @@
+"""nvfp4lab: NVFP4 training from first principles, bit-exact with Transformer Engine 2.20.
+
+The numerics live in one module per concept:
+
+* :mod:`nvfp4lab.formats`   E2M1 codes, packing, E4M3 rounding
+* :mod:`nvfp4lab.quantize`  two-level scaling, 1D/2D blocks, ``NVFP4Tensor``, GEMM emulation
+* :mod:`nvfp4lab.hadamard`  the 16-point random Hadamard transform (RHT)
+* :mod:`nvfp4lab.rounding`  stochastic rounding (SR)
+* :mod:`nvfp4lab.metrics`   error metrics
+
+Nothing here needs a GPU or Transformer Engine.
+"""
+
+from . import metrics
+from .formats import (
+    E2M1_MAX,
+    E2M1_VALUES,
+    E4M3_MAX,
+    decode_e2m1,
+    encode_e2m1,
+    pack_fp4,
+    to_e4m3,
+    unpack_fp4,
+)
+from .hadamard import WGRAD_SIGNS, inverse_random_hadamard_transform, random_hadamard_transform
+from .quantize import NVFP4Tensor, fake_quantize, nvfp4_matmul, quantize
+from .rounding import stochastic_round_e2m1
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "E2M1_MAX",
+    "E2M1_VALUES",
+    "E4M3_MAX",
+    "NVFP4Tensor",
+    "WGRAD_SIGNS",
+    "decode_e2m1",
+    "encode_e2m1",
+    "fake_quantize",
+    "inverse_random_hadamard_transform",
+    "metrics",
+    "nvfp4_matmul",
+    "pack_fp4",
+    "quantize",
+    "random_hadamard_transform",
+    "stochastic_round_e2m1",
+    "to_e4m3",
+    "unpack_fp4",
+]

@@ -1,0 +1,192 @@
+"""The number formats of NVFP4: E2M1 elements and E4M3 block scales.
+
+An NVFP4 element is a 4-bit **E2M1** float: bit 3 is the sign, bits 2-1 the
+exponent (bias 1) and bit 0 the mantissa. Its eight magnitudes are
+``0, 0.5, 1, 1.5, 2, 3, 4, 6``; there is no Inf and no NaN. Two elements share
+a byte. Every 16 elements share one **E4M3** (FP8, ``torch.float8_e4m3fn``)
+block scale, and the whole tensor shares one FP32 per-tensor (global) scale;
+those live in :mod:`nvfp4lab.quantize`.
+
+Every rule here follows Transformer Engine 2.20's pure-PyTorch reference,
+``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
+(``cast_to_fp4x2`` / ``cast_from_fp4x2``), summarised in ``nvfp4-spec.md`` §1.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = [
+    "E2M1_VALUES",
+    "E2M1_MAX",
+    "E4M3_MAX",
+    "E5M2_MAX",
+    "FLT_MAX",
+    "E2M1_SIGN_BIT",
+    "check_float_tensor",
+    "encode_e2m1",
+    "decode_e2m1",
+    "pack_fp4",
+    "unpack_fp4",
+    "to_e4m3",
+]
+
+#: The 8 non-negative E2M1 magnitudes, indexed by the 3-bit code (exponent, mantissa).
+E2M1_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=torch.float32)
+#: Largest E2M1 magnitude (code 7).
+E2M1_MAX = 6.0
+#: Largest finite FP8 E4M3 (``float8_e4m3fn``) magnitude.
+E4M3_MAX = 448.0
+#: Largest finite FP8 E5M2 magnitude.
+E5M2_MAX = 57344.0
+#: Largest finite float32, used by TE to cap reciprocals of zero.
+FLT_MAX = float(torch.finfo(torch.float32).max)
+#: Bit 3 of an E2M1 code is its sign.
+E2M1_SIGN_BIT = 8
+
+# All 16 code points, code -> value. Code 8 is -0.0.
+_E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])
+
+# Round-to-nearest-even decision points on the magnitude axis. A magnitude goes
+# *up* past a threshold when it is strictly greater (``>``) if the code below the
+# threshold is even, or greater-or-equal (``>=``) if the code below is odd: ties
+# go to the code whose mantissa bit is 0 (TE reference ``cast_to_fp4x2``).
+#   threshold: 0.25 0.75 1.25 1.75 2.5  3.5  5.0
+#   tie goes:   0    1    1    2    2    4    4      (value)
+_STRICT_THRESHOLDS = (0.25, 1.25, 2.5, 5.0)  # tie rounds down
+_INCLUSIVE_THRESHOLDS = (0.75, 1.75, 3.5)  # tie rounds up
+
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_float_tensor(x: torch.Tensor, what: str = "input") -> None:
+    """Raise a clear error unless ``x`` is a float16/bfloat16/float32/float64 tensor.
+
+    Raises:
+        TypeError: ``x`` is not a tensor, or its dtype is integer, bool,
+            complex or an FP8 type (the message names the dtype).
+    """
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(f"{what} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dtype not in _FLOAT_DTYPES:
+        raise TypeError(
+            f"{what} has dtype {x.dtype}; NVFP4 quantizes floating-point tensors "
+            f"(one of {', '.join(str(d) for d in _FLOAT_DTYPES)})"
+        )
+
+
+def _check_no_nan(x: torch.Tensor, what: str) -> None:
+    if torch.isnan(x).any():
+        raise ValueError(
+            f"{what} contains NaN; NVFP4 has no NaN encoding and TE's reference would "
+            "silently turn it into code 0 (see nvfp4-spec.md §1)"
+        )
+
+
+def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
+    """Round already-scaled values to E2M1 codes, round to nearest, ties to even code.
+
+    Args:
+        x: float tensor of any shape, in E2M1 units (i.e. already multiplied by the
+            block's encode scale). Values beyond ±6 (including ±Inf) saturate to
+            ±6, as TE's reference clamp and the hardware ``cvt.rn.satfinite`` do.
+
+    Returns:
+        ``uint8`` tensor of ``x``'s shape holding one code 0..15 per element
+        (bit 3 = sign). Ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to
+        0, 1, 1, 2, 2, 4, 4. Values in ``[-0.25, 0)`` give code 8 (−0); an exact
+        ``-0.0`` gives code 0, as in TE's reference (``-0.0 >= 0.0`` is true).
+        The hardware probably gives 8 for −0.0 (unconfirmed, spec §1); we follow the
+        reference because it is the bit-exactness oracle.
+
+    Raises:
+        TypeError: non-float dtype.
+        ValueError: NaN in ``x`` (E2M1 has no NaN; the reference would give code 0).
+
+    Source: TE ``reference_nvfp4.py::cast_to_fp4x2``; nvfp4-spec.md §1.
+    """
+    check_float_tensor(x)
+    _check_no_nan(x, "encode_e2m1 input")
+    return _rne_codes(x.float())
+
+
+def _rne_codes(y: torch.Tensor) -> torch.Tensor:
+    """RNE E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path)."""
+    y = y.clamp(-E2M1_MAX, E2M1_MAX)
+    mag = y.abs()
+    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for t in _STRICT_THRESHOLDS:
+        code += (mag > t).to(torch.uint8)
+    for t in _INCLUSIVE_THRESHOLDS:
+        code += (mag >= t).to(torch.uint8)
+    return code | ((y < 0).to(torch.uint8) << 3)
+
+
+def decode_e2m1(codes: torch.Tensor) -> torch.Tensor:
+    """Map E2M1 codes (``uint8`` 0..15, one per element) to their float32 values.
+
+    Raises:
+        TypeError: ``codes`` is not ``uint8``.
+        ValueError: a code is above 15 (you may have passed packed bytes: use
+            :func:`unpack_fp4` first).
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(f"E2M1 codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError("E2M1 codes must be 0..15; got a larger value (packed bytes? use unpack_fp4 first)")
+    return _E2M1_TABLE.to(codes.device)[codes.long()]
+
+
+def pack_fp4(codes: torch.Tensor) -> torch.Tensor:
+    """Pack E2M1 codes two per byte along the last dimension.
+
+    Args:
+        codes: ``uint8`` ``[..., K]`` with values 0..15 and ``K`` even.
+
+    Returns:
+        ``uint8`` ``[..., K/2]``; element ``2i`` goes in the **low** nibble and
+        element ``2i+1`` in the high nibble (TE ``cast_to_fp4x2``:
+        ``result[:, ::2] + result[:, 1::2] * 16``; PTX ``cvt...e2m1x2``).
+
+    Raises:
+        TypeError: not ``uint8``. ValueError: ``K`` odd, a 0-d tensor, or codes > 15.
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(f"pack_fp4 needs uint8 codes, got {getattr(codes, 'dtype', type(codes))}")
+    if codes.dim() == 0 or codes.shape[-1] % 2:
+        raise ValueError(
+            f"pack_fp4 needs an even last dimension (two codes per byte); got shape {tuple(codes.shape)}. "
+            "Pad with code 0 first."
+        )
+    if codes.numel() and int(codes.max()) > 15:
+        raise ValueError("pack_fp4: codes must be 0..15")
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_fp4(packed: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`pack_fp4`: ``uint8 [..., K/2]`` -> ``uint8 [..., K]`` codes, low nibble first.
+
+    Raises:
+        TypeError: not ``uint8``. ValueError: a 0-d tensor.
+    """
+    if not isinstance(packed, torch.Tensor) or packed.dtype != torch.uint8:
+        raise TypeError(f"unpack_fp4 needs uint8 bytes, got {getattr(packed, 'dtype', type(packed))}")
+    if packed.dim() == 0:
+        raise ValueError("unpack_fp4 needs at least one dimension")
+    out = torch.stack([packed & 0xF, packed >> 4], dim=-1)
+    return out.reshape(*packed.shape[:-1], packed.shape[-1] * 2)
+
+
+def to_e4m3(x: torch.Tensor) -> torch.Tensor:
+    """Round float32 values to FP8 E4M3 (``torch.float8_e4m3fn``), RNE, saturating at ±448.
+
+    ``float8_e4m3fn`` has no Inf, so values are clamped to ±448 first (TE
+    reference ``clamp(..., -448, 448).to(torch.float8_e4m3fn)``; the kernels use
+    ``cvt.rn.satfinite``). Subnormal results (down to 2^-9) and zero are kept:
+    NVFP4 block scales have **no floor** (torchao floors at 2^-6, TE does not).
+
+    Raises:
+        TypeError: non-float dtype.
+    """
+    check_float_tensor(x)
+    return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
