@@ -1,0 +1,476 @@
+"""Fast NVFP4 kernels (Triton) behind the pure-PyTorch contract of :mod:`nvfp4lab.quantize`.
+
+Hopper has no FP4 tensor cores, so emulated NVFP4 training there is bounded by the cost of
+quantization. This package holds Triton kernels that produce *bit-identical* results to
+:func:`nvfp4lab.quantize.quantize` (round-to-nearest) and statistically equivalent ones
+(stochastic rounding), and thin dispatch functions that return ``None`` when the fast path
+does not apply so the caller can fall back to the reference:
+
+* :func:`quantize_fast` — the drop-in for :func:`~nvfp4lab.quantize.quantize`: a global amax
+  reduction kernel (the global scale needs the whole-tensor amax; skipped when ``amax`` is
+  given), then one quantize kernel (1×16 or 16×16 blocks, optional RHT butterfly, RNE or SR).
+* :func:`fused_quantize_rowwise_columnwise` — rowwise ``quantize(x)`` and columnwise
+  ``quantize(x.t(), rht=...)`` from one read of ``x`` per pass (training needs both copies).
+* :func:`block_values_bf16`, :func:`dequantize_to_bf16` — decode to BF16.
+* :func:`nvfp4_matmul_fast` — BF16 dequantize + cuBLAS BF16 GEMM (FP32 accumulate and output)
+  + the per-tensor factor in FP32: :func:`~nvfp4lab.quantize.nvfp4_matmul` up to FP32
+  accumulation order.
+* :class:`TritonGemmQuantizer` — the :class:`nvfp4lab.linear.GemmQuantizer` plug for
+  ``NVFP4Linear(quantizer=...)``.
+
+Where the kernels run: CUDA tensors when Triton is installed; CPU tensors only in Triton's
+interpreter (``TRITON_INTERPRET=1`` set before this package is first used), which the CPU
+tests use. Set ``NVFP4LAB_DISABLE_KERNELS=1`` (or use :func:`disabled`) to turn the fast
+path off. The fast path does not scan for NaN (that would cost a host synchronisation):
+:func:`~nvfp4lab.quantize.quantize` rejects NaN before dispatching; called directly, a NaN
+input gives unspecified codes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import os
+import threading
+from typing import Any, Iterator
+
+import torch
+
+from ..hadamard import RHT_SIZE, WGRAD_SIGN_MASK, WGRAD_SIGNS
+from ..quantize import NVFP4Tensor, nvfp4_matmul, quantize
+
+__all__ = [
+    "available",
+    "interpreter_mode",
+    "disabled",
+    "quantize_fast",
+    "fused_quantize_rowwise_columnwise",
+    "block_values_bf16",
+    "dequantize_to_bf16",
+    "nvfp4_matmul_fast",
+    "TritonGemmQuantizer",
+    "CONFIG",
+]
+
+_INV6 = 0.1666666716337204  # RN_fp32(1/6) = 0x3E2AAAAB, exactly representable: passed as an fp32 arg
+_INV2688 = float(torch.tensor(1.0 / 2688.0, dtype=torch.float32))  # RN_fp32(1/2688)
+_GEMM_FACTOR = 7225344.0  # 6*6*448*448
+
+#: Tile shapes and warps per kernel mode (tuned on the GPU; edit for sweeps).
+CONFIG: dict[str, dict[str, int]] = {
+    "amax": dict(BM=64, BK=128, num_warps=8),
+    "row": dict(BM=32, BK=256, num_warps=8),
+    "col": dict(BM=128, BK=64, num_warps=8),
+    "both": dict(BM=64, BK=128, num_warps=8),
+    "2d": dict(BM=64, BK=128, num_warps=8),
+    "dequant": dict(BM=32, BK=256, num_warps=8),
+}
+#: Run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs).
+#: False: float32 butterfly (faster; see triton_kernels' docstring for what differs).
+RHT_F64 = True
+
+_state = threading.local()
+_KERNELS: Any = None
+_IMPORT_ERROR: Exception | None = None
+
+
+def _kernels():
+    """The Triton kernel module, imported on first use (None without Triton)."""
+    global _KERNELS, _IMPORT_ERROR
+    if _KERNELS is None and _IMPORT_ERROR is None:
+        try:
+            from . import triton_kernels
+
+            _KERNELS = triton_kernels
+        except Exception as exc:  # ImportError, or a Triton that cannot initialise
+            _IMPORT_ERROR = exc
+    return _KERNELS
+
+
+def interpreter_mode() -> bool:
+    """True when the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
+    k = _kernels()
+    if k is None:
+        return False
+    return type(k.quantize_kernel).__name__ == "InterpretedFunction"
+
+
+def available(device: torch.device | str) -> bool:
+    """Whether the fast path can run on ``device`` (CUDA with Triton, or CPU in interpreter mode)."""
+    if os.environ.get("NVFP4LAB_DISABLE_KERNELS", "0") not in ("", "0") or getattr(_state, "off", False):
+        return False
+    if _kernels() is None:
+        return False
+    dev = torch.device(device)
+    if interpreter_mode():
+        return dev.type == "cpu"
+    return dev.type == "cuda"
+
+
+@contextlib.contextmanager
+def disabled() -> Iterator[None]:
+    """Within the block (this thread), every fast-path function returns ``None`` / falls back."""
+    prev = getattr(_state, "off", False)
+    _state.off = True
+    try:
+        yield
+    finally:
+        _state.off = prev
+
+
+# ----------------------------------------------------------------------------- helpers
+def _sign_mask(rht_signs) -> int | None:
+    """RHT sign vector -> bit mask (bit i set where s_i = -1); None if invalid."""
+    if rht_signs is None:
+        return 0
+    if rht_signs is WGRAD_SIGNS:
+        return WGRAD_SIGN_MASK
+    s = torch.as_tensor(rht_signs, dtype=torch.float32).flatten().tolist()
+    if len(s) != RHT_SIZE or any(v not in (1.0, -1.0) for v in s):
+        return None
+    return sum(1 << i for i, v in enumerate(s) if v == -1.0)
+
+
+def _signs_tensor(rht_signs):
+    return None if rht_signs is None else torch.as_tensor(rht_signs, dtype=torch.float32)
+
+
+def _amax_tensor(amax, device) -> torch.Tensor | None:
+    """User amax -> 0-d fp32 tensor on ``device`` (None if invalid; no sync for tensors)."""
+    if isinstance(amax, torch.Tensor):
+        if amax.numel() != 1:
+            return None
+        return amax.detach().to(device=device, dtype=torch.float32).reshape(())
+    try:
+        a = float(amax)
+    except (TypeError, ValueError):
+        return None
+    if math.isnan(a) or a < 0:
+        return None
+    return torch.tensor(a, dtype=torch.float32, device=device)
+
+
+def _as_2d(x: torch.Tensor) -> torch.Tensor:
+    """[..., K] -> [M, K] as a strided view when possible (else a copy)."""
+    K = x.shape[-1]
+    if x.dim() == 2:
+        return x
+    if x.dim() == 1:
+        return x.view(1, K) if x.stride(0) == 1 else x.reshape(1, K)
+    try:
+        return x.view(-1, K)
+    except RuntimeError:
+        return x.reshape(-1, K)
+
+
+def _seeds(generator, device) -> torch.Tensor:
+    """Two 63-bit Philox seeds drawn from ``generator`` (default: ``device``'s default generator)."""
+    if generator is None:
+        return torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
+    s = torch.randint(0, 2**62, (2,), generator=generator, device=generator.device, dtype=torch.int64)
+    return s.to(device, non_blocking=True)
+
+
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def _launch_opts() -> dict:
+    return {} if interpreter_mode() else {"enable_fp_fusion": False}
+
+
+def _check_common(x, block, rounding) -> bool:
+    if not isinstance(x, torch.Tensor) or not available(x.device):
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if block not in ("1d", "2d") or rounding not in ("nearest", "stochastic"):
+        return False
+    if x.dim() == 0 or x.numel() == 0:
+        return False
+    return True
+
+
+def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
+         sr: bool, mask: int, generator, amax_row, amax_col, cfg_name: str):
+    """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs."""
+    k = _kernels()
+    M, K = x2.shape
+    dev = x2.device
+    rf64 = bool(RHT_F64)
+    round_bf16 = x2.dtype == torch.bfloat16
+    need_row_amax = (row or block2d) and amax_row is None
+    need_col_amax = col and not block2d and amax_col is None
+    # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|
+    buf = torch.zeros(2, dtype=torch.float32, device=dev)
+    if need_row_amax or need_col_amax:
+        a_cfg = CONFIG["amax"]
+        BM, BK = a_cfg["BM"], a_cfg["BK"]
+        grid = (_cdiv(M, BM) * _cdiv(K, BK),)
+        do_row = need_row_amax or (need_col_amax and not col_rht)
+        k.amax_kernel[grid](
+            x2, buf, M, K, x2.stride(0), x2.stride(1),
+            ROW=do_row, ROW_RHT=row_rht, COL_RHT=need_col_amax and col_rht,
+            SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
+            num_warps=a_cfg["num_warps"], **_launch_opts())
+    a_row = amax_row if amax_row is not None else buf[0]
+    if block2d:
+        a_col = a_row
+    elif amax_col is not None:
+        a_col = amax_col
+    else:
+        a_col = buf[1] if col_rht else buf[0]
+
+    Mh, Kh, M16, K16 = -(-M // 2), -(-K // 2), -(-M // 16), -(-K // 16)
+    u8 = torch.uint8
+    d = torch.empty(M, Kh, dtype=u8, device=dev) if row else None
+    s = torch.empty((M16 if block2d else M), K16, dtype=u8, device=dev) if row else None
+    dt = torch.empty(K, Mh, dtype=u8, device=dev) if col else None
+    st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col else None
+    seeds = _seeds(generator, dev) if sr else buf  # buf: a dummy pointer when not SR
+    dummy = buf
+    cfg = CONFIG[cfg_name]
+    BM, BK = cfg["BM"], cfg["BK"]
+    grid = (_cdiv(M, BM) * _cdiv(K, BK),)
+    k.quantize_kernel[grid](
+        x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
+        d if row else dummy, s if row else dummy, dt if col else dummy, st if col else dummy,
+        Kh, K16, Mh, M16, _INV6,
+        ROW=row, COL=col, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
+        SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
+        REVERSE=need_row_amax or need_col_amax,
+        num_warps=cfg["num_warps"], **_launch_opts())
+    f8 = torch.float8_e4m3fn
+    return (d, None if s is None else s.view(f8), a_row.reshape(()),
+            dt, None if st is None else st.view(f8), a_col.reshape(()))
+
+
+# ----------------------------------------------------------------------------- public API
+def quantize_fast(
+    x: torch.Tensor,
+    *,
+    block: str = "1d",
+    rht: bool = False,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    amax: torch.Tensor | float | None = None,
+    rht_signs: torch.Tensor | None = WGRAD_SIGNS,
+) -> NVFP4Tensor | None:
+    """Triton version of :func:`nvfp4lab.quantize.quantize` (same arguments and result).
+
+    Returns ``None`` when the fast path does not apply, so the caller uses the reference:
+    not CUDA (and not interpreter mode on CPU), Triton missing or kernels disabled, dtype not
+    fp32/bf16/fp16 (fp16 with ``rht`` too), a 0-d or empty input, an invalid option or an
+    input the reference rejects (``rht`` with ``K % 16``, ``block="2d"`` on 1-D, bad
+    ``amax`` number or signs). NaN is not checked (see the package docstring).
+
+    Round-to-nearest results are bit-identical to :func:`~nvfp4lab.quantize.quantize`
+    (packed data, scale bytes, amax). Stochastic rounding uses Philox4x32-10
+    (``tl.randint4x``) seeded by two int64 draws from ``generator`` (or the device's default
+    generator), 16 random bits per element: same distribution as the reference (each code
+    is one of the two bracketing grid points, probability of rounding up within 2^-17 of
+    the reference's), not the same bits.
+
+    Non-contiguous inputs work through their strides; a transposed 2-D view (``y.t()`` of a
+    contiguous ``y``) takes the columnwise kernel so its loads stay coalesced.
+    """
+    if not _check_common(x, block, rounding):
+        return None
+    if block == "2d" and x.dim() < 2:
+        return None
+    K = x.shape[-1]
+    if rht and (K % RHT_SIZE or x.dtype == torch.float16):
+        return None
+    mask = _sign_mask(rht_signs) if rht else 0
+    if mask is None:
+        return None
+    a = None
+    if amax is not None:
+        a = _amax_tensor(amax, x.device)
+        if a is None:
+            return None
+    x2 = _as_2d(x)
+    M = x2.shape[0]
+    sr = rounding == "stochastic"
+    block2d = block == "2d"
+    transposed = x2.stride(1) != 1 and x2.stride(0) == 1 and M > 1
+    if transposed:
+        # x2 = y.t() with y [K, M] contiguous: quantize x2 along K == columnwise of y along its rows
+        y = x2.t()
+        _, _, _, data, scale, amax_t = _run(
+            y, row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=mask,
+            generator=generator, amax_row=a if block2d else None, amax_col=a,
+            cfg_name="2d" if block2d else "col")
+    else:
+        data, scale, amax_t, _, _, _ = _run(
+            x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=mask,
+            generator=generator, amax_row=a, amax_col=None, cfg_name="2d" if block2d else "row")
+    return NVFP4Tensor(data=data, scale=scale, amax=amax_t, shape=x.shape, block=block, dtype=x.dtype,
+                       rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding)
+
+
+def fused_quantize_rowwise_columnwise(
+    x: torch.Tensor,
+    *,
+    block: str = "1d",
+    rht: bool = False,
+    rounding: str = "nearest",
+    generator: torch.Generator | None = None,
+    amax: torch.Tensor | float | None = None,
+    amax_t: torch.Tensor | float | None = None,
+    rht_signs: torch.Tensor | None = WGRAD_SIGNS,
+    fallback: bool = True,
+) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
+    """Both NVFP4 copies a training step needs, from one read of ``x`` per pass.
+
+    Equivalent to ``(quantize(x, block=block, rounding=rounding, amax=amax),
+    quantize(x2d.t(), block=block, rht=rht, rounding=rounding, amax=amax_t, rht_signs=rht_signs))``
+    with ``x2d = x.reshape(-1, K)``: the rowwise copy (blocks along ``K``, never RHT'd, as in
+    TE) and the columnwise copy (``x2dᵀ`` quantized along the token axis ``M``, with the RHT
+    along ``M`` when ``rht``; its own post-RHT amax). With ``block="2d"`` the columnwise copy
+    is the exact transpose of the rowwise one (same tiles and amax) and ``rht`` must be False.
+
+    One amax kernel (computing the rowwise amax and, with ``rht``, the columnwise post-RHT
+    amax) and one quantize kernel that writes both outputs. SR draws independent streams for
+    the two copies, as two ``quantize`` calls would.
+
+    Args:
+        amax, amax_t: optional precomputed amaxes of the rowwise and columnwise copies.
+        fallback: when the fast path does not apply, compute the pair with the reference
+            :func:`~nvfp4lab.quantize.quantize` (default) instead of returning ``None``.
+    """
+    ok = _check_common(x, block, rounding) and x.dim() >= 2
+    M_all = math.prod(x.shape[:-1]) if x.dim() else 0
+    if ok and rht and (M_all % RHT_SIZE or x.dtype == torch.float16):
+        ok = False
+    if ok and block == "2d" and (rht or rounding == "stochastic"):
+        ok = False
+    mask = _sign_mask(rht_signs) if rht else 0
+    a = at = None
+    if ok and amax is not None:
+        a = _amax_tensor(amax, x.device)
+        ok = a is not None
+    if ok and amax_t is not None:
+        at = _amax_tensor(amax_t, x.device)
+        ok = at is not None
+    if not ok or mask is None:
+        if not fallback:
+            return None
+        x2d = x.reshape(-1, x.shape[-1])
+        return (quantize(x, block=block, rounding=rounding, generator=generator, amax=amax),
+                quantize(x2d.t(), block=block, rht=rht, rounding=rounding, generator=generator,
+                         amax=amax_t, rht_signs=rht_signs))
+    x2 = _as_2d(x)
+    if x2.stride(1) != 1 and x2.stride(0) == 1:
+        x2 = x2.contiguous()  # a transposed view: one copy, then the row-major fused kernel
+    M, K = x2.shape
+    block2d = block == "2d"
+    d, s, am, dt, st, amt = _run(
+        x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d,
+        sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at,
+        cfg_name="2d" if block2d else "both")
+    row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
+                      rht=False, rht_signs=None, rounding=rounding)
+    col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,
+                      rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding)
+    return row, col
+
+
+def _decode(t: NVFP4Tensor, global_scale: bool, undo_rht: bool) -> torch.Tensor | None:
+    if not isinstance(t, NVFP4Tensor) or not available(t.device):
+        return None
+    M, K = t.rows, t.cols
+    if M * K == 0:
+        return None
+    mask = 0
+    if undo_rht:
+        mask = _sign_mask(t.rht_signs)
+        if mask is None:
+            return None
+    k = _kernels()
+    out = torch.empty(M, K, dtype=torch.bfloat16, device=t.device)
+    cfg = CONFIG["dequant"]
+    BM, BK = cfg["BM"], cfg["BK"]
+    grid = (_cdiv(M, BM), _cdiv(K, BK))
+    k.dequantize_kernel[grid](
+        t.data, t.scale.view(torch.uint8), t.amax.reshape(1).to(torch.float32), out.view(torch.int16),
+        M, K, t.data.stride(0), t.scale.stride(0), out.stride(0), _INV2688,
+        BLOCK2D=t.block == "2d", GLOBAL=global_scale, UNDO_RHT=undo_rht, SIGN_MASK=mask, BM=BM, BK=BK,
+        num_warps=cfg["num_warps"], **_launch_opts())
+    return out
+
+
+def block_values_bf16(t: NVFP4Tensor) -> torch.Tensor:
+    """``code × E4M3 block scale`` as BF16 ``[M, K]`` (exact): :meth:`NVFP4Tensor.block_values`.
+
+    The operand an NVFP4 tensor core multiplies; the per-tensor factor is applied after the
+    GEMM (see :func:`nvfp4_matmul_fast`). Falls back to the reference off the fast path.
+    """
+    out = _decode(t, global_scale=False, undo_rht=False)
+    return out if out is not None else t.block_values(torch.bfloat16)
+
+
+def dequantize_to_bf16(t: NVFP4Tensor, *, undo_rht: bool = True) -> torch.Tensor:
+    """:meth:`NVFP4Tensor.dequantize` to BF16, bit-identical, in one kernel (logical shape).
+
+    ``x̂ = RN(code · RN(RN(sf · amax) · RN(1/2688)))`` in FP32, the inverse RHT (FP64
+    butterfly rounded to FP32) when ``t.rht and undo_rht``, then RNE to BF16. Falls back to
+    the reference off the fast path.
+    """
+    out = _decode(t, global_scale=True, undo_rht=bool(t.rht and undo_rht))
+    if out is None:
+        return t.dequantize(torch.bfloat16, undo_rht=undo_rht)
+    return out.reshape(t.shape)
+
+
+def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """``a @ bᵀ`` of BF16 operands with FP32 accumulation and FP32 output."""
+    if a.is_cuda:
+        try:
+            return torch.mm(a, b.t(), out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+    return a.float() @ b.float().t()
+
+
+def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """:func:`nvfp4lab.quantize.nvfp4_matmul` through BF16 block values and cuBLAS.
+
+    ``code × block scale`` is exact in BF16, so a BF16 GEMM with FP32 accumulation
+    (``torch.mm(..., out_dtype=torch.float32)``) computes the same sum up to FP32 accumulation
+    order; then ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` is applied in FP32 as the
+    reference does. Same checks and errors as the reference.
+
+    A fused GEMM reading the packed FP4 operands was not written: the emulation's GEMM is
+    compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM
+    would have to match cuBLAS's BF16 rate while decoding in its main loop; the decode here
+    costs one extra memory pass per operand (see the benchmark).
+    """
+    if a.cols != b.cols or a.rht != b.rht or (
+        a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
+    ):
+        return nvfp4_matmul(a, b, out_dtype=out_dtype)  # raises the reference's ValueError
+    if not (available(a.device) and available(b.device)):
+        return nvfp4_matmul(a, b, out_dtype=out_dtype)
+    acc = _mm_fp32(block_values_bf16(a), block_values_bf16(b))
+    alpha = (a.amax.float() * b.amax.float()) / torch.tensor(_GEMM_FACTOR, dtype=torch.float32, device=a.device)
+    return (acc * alpha).to(out_dtype)
+
+
+class TritonGemmQuantizer:
+    """:class:`nvfp4lab.linear.GemmQuantizer` using these kernels (reference fallback).
+
+    ``NVFP4Linear(..., quantizer=TritonGemmQuantizer())`` or ``convert_model(...,
+    quantizer=TritonGemmQuantizer())``. ``quantize`` returns what
+    :func:`~nvfp4lab.quantize.quantize` returns (bit-identical for RNE); ``matmul`` is
+    :func:`nvfp4_matmul_fast` with an FP32 result.
+    """
+
+    name = "nvfp4-triton"
+
+    def quantize(self, x: torch.Tensor, **options: Any):
+        q = quantize_fast(x, **options)
+        return q if q is not None else quantize(x, **options)
+
+    def matmul(self, a, b) -> torch.Tensor:
+        return nvfp4_matmul_fast(a, b, out_dtype=torch.float32)

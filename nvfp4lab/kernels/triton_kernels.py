@@ -1,0 +1,372 @@
+"""Triton kernels for NVFP4 quantization, bit-exact with :func:`nvfp4lab.quantize.quantize`.
+
+Imported lazily by :mod:`nvfp4lab.kernels` (this module needs Triton). With
+``TRITON_INTERPRET=1`` set *before* the import, Triton's interpreter runs the same kernels
+on CPU tensors, which is how the CPU tests check bit-exactness.
+
+Every floating-point step is one IEEE float32 operation in the order of nvfp4-spec.md §2
+(``nvfp4lab.quantize``). Rounding that Triton would do through a conversion is done here
+with integer bit arithmetic instead, so that the GPU and the interpreter agree bit for bit
+(the interpreter's float conversions truncate or round half-up, e.g. fp32->bf16 and
+fp32->fp8):
+
+* E4M3 block scales: RNE by integer rounding of the float32 bits (normal range) and by
+  the ``(s + 2^14) - 2^14`` trick (subnormal range, quantum 2^-9); the input is clamped
+  to ``[0, 448]`` first, so no saturation logic is needed. ``float(sf)`` is the rounded
+  float32 value itself.
+* BF16 rounding of RHT outputs: ``(bits + 0x7FFF + lsb) & 0xFFFF0000``.
+* Reciprocals and the global scale use ``tl.math.div_rn`` (IEEE division); Triton's ``/``
+  on float32 lowers to the approximate ``div.full.f32``.
+* Kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted
+  into an FMA (none of the sequences here has one, but this keeps it so).
+
+The random Hadamard transform is a 16-point fast Walsh-Hadamard butterfly (4 stages of
+add/sub, via reshape/split/join/permute), not a matmul. With ``RHT_F64`` (the default for
+every input dtype) the butterfly runs in float64, where the 16-term sum is exact for
+bf16 inputs and for fp32 blocks spanning less than ~2^29, then rounds once to float32 and
+(for bf16 inputs) once more to bf16: exactly what ``nvfp4lab.hadamard`` does (exact sum,
+rounded to float32, then to the input dtype). With ``RHT_F64=False`` it runs in float32:
+bit-identical for bf16 inputs except in blocks of extreme dynamic range (1 element in
+16.7M for 4096^2 randn, the class of difference TE's own FP32 accumulation has) and not
+bit-identical for fp32 inputs (about half the elements differ by an ulp).
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+FLT_MAX = 3.4028234663852886e38
+
+
+# ----------------------------------------------------------------------------- numerics helpers
+@triton.jit
+def _div_rn(num, den):
+    """IEEE float32 ``num / den`` (num a python float, den a tensor)."""
+    return tl.math.div_rn(tl.full(den.shape, num, tl.float32), den)
+
+
+@triton.jit
+def _global_scales(amax, inv6):
+    """(S_enc, S_dec, mult) from the per-tensor amax (0-d fp32): spec §2, TE core_nvfp4.cuh."""
+    a = tl.full((1,), 0.0, tl.float32) + amax
+    s_enc = tl.minimum(_div_rn(2688.0, a), FLT_MAX)
+    s_enc = tl.where((a == 0.0) | (s_enc == 0.0), 1.0, s_enc)
+    s_dec = _div_rn(1.0, s_enc)
+    mult = s_enc * inv6
+    return tl.max(s_enc, axis=0), tl.max(s_dec, axis=0), tl.max(mult, axis=0)
+
+
+@triton.jit
+def _e4m3_rne(s):
+    """``s`` float32 in [0, 448] -> (RNE E4M3 value as float32, its E4M3 bit pattern as int32)."""
+    bits = s.to(tl.int32, bitcast=True)
+    rn = (bits + 0x7FFFF + ((bits >> 20) & 1)) & -1048576  # clear the low 20 bits (0xFFF00000)
+    vn = rn.to(tl.float32, bitcast=True)
+    vs = (s + 16384.0) - 16384.0  # subnormal E4M3: RNE to a multiple of 2^-9
+    v = tl.where(s < 0.015625, vs, vn)
+    vb = v.to(tl.int32, bitcast=True)
+    code_n = (((vb >> 23) - 120) << 3) | ((vb >> 20) & 7)
+    code_s = (v * 512.0).to(tl.int32)
+    code = tl.where(v < 0.015625, code_s, code_n)
+    return v, code
+
+
+@triton.jit
+def _e4m3_decode(code):
+    """E4M3 (fn) bit patterns 0..0x7E (int32, non-negative scales) -> float32 values."""
+    e = (code >> 3) & 15
+    m = code & 7
+    normal = (((e + 120) << 23) | (m << 20)).to(tl.float32, bitcast=True)
+    return tl.where(e == 0, m.to(tl.float32) * 0.001953125, normal)
+
+
+@triton.jit
+def _round_bf16(v):
+    """Round float32 to the nearest BF16 value (ties to even), returned as float32."""
+    b = v.to(tl.uint32, bitcast=True)
+    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    return r.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _rht16(x, R: tl.constexpr, C: tl.constexpr, SIGN_MASK: tl.constexpr, F64: tl.constexpr,
+           ROUND_BF16: tl.constexpr):
+    """RHT of each 16-chunk of the last axis of ``x`` [R, C]: ``y = ((x ⊙ s) @ H16) / 4``.
+
+    A 4-stage butterfly (natural/Sylvester order), exact in float64 for bf16 and most fp32
+    inputs, rounded once to float32, then to bf16 when ``ROUND_BF16``.
+    """
+    j = tl.arange(0, C) % 16
+    sgn = tl.where(((SIGN_MASK >> j) & 1) != 0, -1.0, 1.0)
+    if F64:
+        v = x.to(tl.float64) * sgn.to(tl.float64)[None, :]
+    else:
+        v = x * sgn[None, :]
+    v = tl.reshape(v, (R * C // 16, 2, 2, 2, 2))
+    for _ in tl.static_range(4):
+        a, b = tl.split(v)
+        v = tl.permute(tl.join(a + b, a - b), (0, 4, 1, 2, 3))
+    v = tl.reshape(v, (R, C))
+    if F64:
+        v = (v * 0.25).to(tl.float32)
+    else:
+        v = v * 0.25
+    if ROUND_BF16:
+        v = _round_bf16(v)
+    return v
+
+
+@triton.jit
+def _e2m1_rne(y):
+    """E2M1 codes (int32) of ``y`` already clamped to [-6, 6]: TE ``cast_to_fp4x2`` thresholds."""
+    m = tl.abs(y)
+    c = ((m > 0.25).to(tl.int32) + (m >= 0.75).to(tl.int32) + (m > 1.25).to(tl.int32)
+         + (m >= 1.75).to(tl.int32) + (m > 2.5).to(tl.int32) + (m >= 3.5).to(tl.int32)
+         + (m > 5.0).to(tl.int32))
+    return c | ((y < 0.0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _e2m1_sr(y, u):
+    """Stochastic E2M1 codes of ``y`` clamped to [-6, 6], ``u`` uniform in (0, 1).
+
+    Same decision as ``nvfp4lab.rounding._sr_codes``: between grid neighbours lo <= a < hi,
+    round up iff ``u < (a - lo) / (hi - lo)`` (exact in fp32: the gap is a power of two).
+    """
+    a = tl.abs(y)
+    lo_i = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
+            + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
+            + (a >= 6.0).to(tl.int32))
+    # grid value of lo_i and the gap to the next point: 0.5 steps below 2, 1 below 4, 2 above
+    lo = tl.where(lo_i < 4, lo_i.to(tl.float32) * 0.5,
+                  tl.where(lo_i < 6, (lo_i - 2).to(tl.float32), 4.0 + (lo_i - 6).to(tl.float32) * 2.0))
+    inv_gap = tl.where(lo_i < 4, 2.0, tl.where(lo_i < 6, 1.0, 0.5))
+    p_up = tl.where(lo_i < 7, (a - lo) * inv_gap, 0.0)
+    c = lo_i + (u < p_up).to(tl.int32)
+    return c | ((y < 0.0).to(tl.int32) << 3)
+
+
+@triton.jit
+def _uniform16(seed, counter):
+    """8 uniform (0,1) floats per counter from one Philox4x32-10 draw: 16 bits each.
+
+    ``counter`` [R, C8] int64 -> [R, C8 * 8] float32, value (k + 0.5) * 2^-16, k in 0..65535.
+    The 16-bit resolution biases each rounding probability by at most 2^-17.
+    """
+    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    j = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [R, C8, 2, 2]
+    j = j.to(tl.uint32, bitcast=True)
+    k = tl.join(j & 0xFFFF, j >> 16)  # [R, C8, 2, 2, 2]
+    R: tl.constexpr = counter.shape[0]
+    C8: tl.constexpr = counter.shape[1]
+    k = tl.reshape(k, (R, C8 * 8))
+    return (k.to(tl.float32) + 0.5) * 1.52587890625e-05
+
+
+@triton.jit
+def _pack(codes, R: tl.constexpr, C: tl.constexpr):
+    """int32 codes [R, C] -> uint8 bytes [R, C/2], even element in the low nibble."""
+    lo, hi = tl.split(tl.reshape(codes, (R, C // 2, 2)))
+    return (lo | (hi << 4)).to(tl.uint8)
+
+
+@triton.jit
+def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+    """1x16 blocks along the last axis of ``v`` [R, C]: (codes int32 [R, C], scale bytes int32 [R, C/16])."""
+    v3 = tl.reshape(v, (R, C // 16, 16))
+    bamax = tl.max(tl.abs(v3), axis=2)
+    sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
+    sfv, sfc = _e4m3_rne(sf)
+    enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
+    y = v3 * enc[:, :, None]
+    y = tl.minimum(tl.maximum(y, -6.0), 6.0)
+    if SR:
+        codes = _e2m1_sr(y, tl.reshape(u, (R, C // 16, 16)))
+    else:
+        codes = _e2m1_rne(y)
+    return tl.reshape(codes, (R, C)), sfc
+
+
+@triton.jit
+def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+    """16x16 tiles of ``v`` [R, C]: (codes int32 [R, C], scale bytes int32 [R/16, C/16])."""
+    v4 = tl.reshape(v, (R // 16, 16, C // 16, 16))
+    bamax = tl.max(tl.max(tl.abs(v4), axis=3), axis=1)
+    sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
+    sfv, sfc = _e4m3_rne(sf)
+    enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
+    y = v4 * enc[:, None, :, None]
+    y = tl.minimum(tl.maximum(y, -6.0), 6.0)
+    if SR:
+        codes = _e2m1_sr(y, tl.reshape(u, (R // 16, 16, C // 16, 16)))
+    else:
+        codes = _e2m1_rne(y)
+    return tl.reshape(codes, (R, C)), sfc
+
+
+@triton.jit
+def _tile_index(M, K, BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+    pid = tl.program_id(0)
+    n_k = tl.cdiv(K, BK)
+    if REVERSE:
+        pid = tl.cdiv(M, BM) * n_k - 1 - pid
+    return pid // n_k, pid % n_k
+
+
+@triton.jit
+def _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM: tl.constexpr, BK: tl.constexpr):
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = (pk * BK + tl.arange(0, BK)).to(tl.int64)
+    mask = (rows[:, None] < M) & (cols[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+    return x.to(tl.float32), rows, cols
+
+
+# ----------------------------------------------------------------------------- kernels
+@triton.jit
+def amax_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
+                ROW: tl.constexpr, ROW_RHT: tl.constexpr, COL_RHT: tl.constexpr,
+                SIGN_MASK: tl.constexpr, RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
+                BM: tl.constexpr, BK: tl.constexpr):
+    """Global amax pass: atomic max of |x| (or |RHT_K(x)|) into amax[0] when ROW, and of
+    |RHT_M(x)| (the columnwise copy's post-RHT values) into amax[1] when COL_RHT."""
+    pm, pk = _tile_index(M, K, BM, BK, False)
+    x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK)
+    if ROW:
+        v = x
+        if ROW_RHT:
+            v = _rht16(x, BM, BK, SIGN_MASK, RHT_F64, ROUND_BF16)
+        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+    if COL_RHT:
+        vt = _rht16(tl.trans(x), BK, BM, SIGN_MASK, RHT_F64, ROUND_BF16)
+        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(vt), axis=1), axis=0))
+
+
+@triton.jit
+def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
+                    d_ptr, s_ptr, dt_ptr, st_ptr,
+                    d_rs, s_rs, dt_rs, st_rs, inv6,
+                    ROW: tl.constexpr, COL: tl.constexpr, ROW_RHT: tl.constexpr, COL_RHT: tl.constexpr,
+                    BLOCK2D: tl.constexpr, SR: tl.constexpr, SIGN_MASK: tl.constexpr,
+                    RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
+                    BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+    """Quantize one [BM, BK] tile of x [M, K] (strides sxm, sxk), read once.
+
+    ROW: x along K -> data d [M, ceil(K/2)] (row stride d_rs), scales s [M or ceil(M/16),
+    ceil(K/16)] (row stride s_rs), global amax at amax_ptr.
+    COL: xᵀ along M -> data dt [K, ceil(M/2)], scales st [K or ceil(K/16), ceil(M/16)],
+    amax at amaxt_ptr; with COL_RHT the RHT runs along M. With BLOCK2D the columnwise output is
+    the transpose of the rowwise one (same tiles, same amax), as ``quantize(x.t(), block="2d")``.
+    SR random streams: seed[0] for the rowwise output, seed[1] for the columnwise one; the
+    Philox counter is (element index in the output) / 8.
+    """
+    pm, pk = _tile_index(M, K, BM, BK, REVERSE)
+    x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK)
+    Mh = (M + 1) // 2
+    Kh = (K + 1) // 2
+    M16 = (M + 15) // 16
+    K16 = (K + 15) // 16
+    if ROW or BLOCK2D:
+        s_enc, s_dec, mult = _global_scales(tl.load(amax_ptr), inv6)
+        v = x
+        if ROW_RHT:
+            v = _rht16(x, BM, BK, SIGN_MASK, RHT_F64, ROUND_BF16)
+        u = 0.0
+        if SR:
+            seed = tl.load(seed_ptr)
+            cnt = rows[:, None] * (K16 * 2) + (pk * (BK // 8) + tl.arange(0, BK // 8))[None, :]
+            u = _uniform16(seed, cnt)
+        if BLOCK2D:
+            codes, sfc = _encode_2d(v, s_dec, mult, u, BM, BK, SR)
+        else:
+            codes, sfc = _encode_1d(v, s_dec, mult, u, BM, BK, SR)
+        if ROW:
+            hcols = pk * (BK // 2) + tl.arange(0, BK // 2)
+            tl.store(d_ptr + rows[:, None] * d_rs + hcols[None, :], _pack(codes, BM, BK),
+                     mask=(rows[:, None] < M) & (hcols[None, :] < Kh))
+            scols = pk * (BK // 16) + tl.arange(0, BK // 16)
+            if BLOCK2D:
+                srows = pm * (BM // 16) + tl.arange(0, BM // 16)
+                tl.store(s_ptr + srows[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
+                         mask=(srows[:, None] < M16) & (scols[None, :] < K16))
+            else:
+                tl.store(s_ptr + rows[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
+                         mask=(rows[:, None] < M) & (scols[None, :] < K16))
+        if COL and BLOCK2D:
+            hrows = pm * (BM // 2) + tl.arange(0, BM // 2)
+            tl.store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(tl.trans(codes), BK, BM),
+                     mask=(cols[:, None] < K) & (hrows[None, :] < Mh))
+            srows = pm * (BM // 16) + tl.arange(0, BM // 16)
+            scols = pk * (BK // 16) + tl.arange(0, BK // 16)
+            tl.store(st_ptr + scols[:, None] * st_rs + srows[None, :], tl.trans(sfc).to(tl.uint8),
+                     mask=(scols[:, None] < K16) & (srows[None, :] < M16))
+    if COL and not BLOCK2D:
+        s_enc_t, s_dec_t, mult_t = _global_scales(tl.load(amaxt_ptr), inv6)
+        vt = tl.trans(x)
+        if COL_RHT:
+            vt = _rht16(vt, BK, BM, SIGN_MASK, RHT_F64, ROUND_BF16)
+        ut = 0.0
+        if SR:
+            seed_t = tl.load(seed_ptr + 1)
+            cnt_t = cols[:, None] * (M16 * 2) + (pm * (BM // 8) + tl.arange(0, BM // 8))[None, :]
+            ut = _uniform16(seed_t, cnt_t)
+        codes_t, sfc_t = _encode_1d(vt, s_dec_t, mult_t, ut, BK, BM, SR)
+        hrows = pm * (BM // 2) + tl.arange(0, BM // 2)
+        tl.store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(codes_t, BK, BM),
+                 mask=(cols[:, None] < K) & (hrows[None, :] < Mh))
+        srows = pm * (BM // 16) + tl.arange(0, BM // 16)
+        tl.store(st_ptr + cols[:, None] * st_rs + srows[None, :], sfc_t.to(tl.uint8),
+                 mask=(cols[:, None] < K) & (srows[None, :] < M16))
+
+
+@triton.jit
+def dequantize_kernel(d_ptr, s_ptr, amax_ptr, out_ptr, M, K, d_rs, s_rs, o_rs, inv2688,
+                      BLOCK2D: tl.constexpr, GLOBAL: tl.constexpr, UNDO_RHT: tl.constexpr,
+                      SIGN_MASK: tl.constexpr, BM: tl.constexpr, BK: tl.constexpr):
+    """Decode packed E2M1 codes with their E4M3 block scales to BF16 [M, K].
+
+    GLOBAL=False: ``code × sf`` (exact in BF16; ``NVFP4Tensor.block_values``).
+    GLOBAL=True: ``RN(code · RN(RN(sf · amax) · RN(1/2688)))`` in fp32 (``sf`` alone when amax
+    is not finite), then with UNDO_RHT the inverse RHT (float64 butterfly, rounded to fp32),
+    then RNE to BF16: ``NVFP4Tensor.dequantize(torch.bfloat16)``.
+    """
+    pm = tl.program_id(0)
+    pk = tl.program_id(1)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    hcols = pk * (BK // 2) + tl.arange(0, BK // 2)
+    b = tl.load(d_ptr + rows[:, None] * d_rs + hcols[None, :],
+                mask=(rows[:, None] < M) & (hcols[None, :] < (K + 1) // 2), other=0).to(tl.int32)
+    c = tl.reshape(tl.join(b & 15, b >> 4), (BM, BK))
+    m = c & 7
+    mag = tl.where(m < 4, m.to(tl.float32) * 0.5,
+                   tl.where(m < 6, (m - 2).to(tl.float32), 4.0 + (m - 6).to(tl.float32) * 2.0))
+    val = tl.where((c & 8) != 0, -mag, mag)
+    scols = pk * (BK // 16) + tl.arange(0, BK // 16)
+    if BLOCK2D:
+        srows = rows // 16
+    else:
+        srows = rows
+    sb = tl.load(s_ptr + srows[:, None] * s_rs + scols[None, :],
+                 mask=(rows[:, None] < M) & (scols[None, :] < (K + 15) // 16), other=0)
+    sf = _e4m3_decode(sb.to(tl.int32))
+    if GLOBAL:
+        amax = tl.load(amax_ptr)
+        amax_b = tl.full(sf.shape, 0.0, tl.float32) + amax
+        finite = tl.abs(amax_b) < float("inf")
+        sf = tl.where(finite, (sf * amax_b) * inv2688, sf)
+    out = tl.reshape(tl.reshape(val, (BM, BK // 16, 16)) * sf[:, :, None], (BM, BK))
+    if UNDO_RHT:
+        # inverse: u @ Rᵀ = ((u @ H16) ⊙ s) / 4 (H symmetric); exact in float64, one rounding
+        j = tl.arange(0, BK) % 16
+        sgn = tl.where(((SIGN_MASK >> j) & 1) != 0, -1.0, 1.0).to(tl.float64)
+        w = tl.reshape(out.to(tl.float64), (BM * BK // 16, 2, 2, 2, 2))
+        for _ in tl.static_range(4):
+            a, bb = tl.split(w)
+            w = tl.permute(tl.join(a + bb, a - bb), (0, 4, 1, 2, 3))
+        out = ((tl.reshape(w, (BM, BK)) * sgn[None, :]) * 0.25).to(tl.float32)
+    out = _round_bf16(out)
+    cols = pk * BK + tl.arange(0, BK)
+    tl.store(out_ptr + rows[:, None] * o_rs + cols[None, :],
+             (out.to(tl.uint32, bitcast=True) >> 16).to(tl.int16),
+             mask=(rows[:, None] < M) & (cols[None, :] < K))

@@ -1,0 +1,336 @@
+"""The Triton kernels of nvfp4lab.kernels, run by Triton's CPU interpreter, vs the reference.
+
+``TRITON_INTERPRET=1`` must be set before Triton builds the kernels; this module sets it when
+Triton has not been imported yet (run it in its own process, or first in the session:
+``TRITON_INTERPRET=1 pytest tests/test_kernels.py``). Round-to-nearest results must be
+bit-identical to :func:`nvfp4lab.quantize.quantize` (packed bytes, scale bytes, amax bits);
+stochastic rounding is checked statistically. Shapes are small: the interpreter is numpy.
+"""
+
+import os
+import sys
+import warnings
+
+if "triton" not in sys.modules:
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from nvfp4lab import kernels  # noqa: E402
+from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
+from nvfp4lab.quantize import block_encode_scales, nvfp4_matmul, quantize  # noqa: E402
+
+if not kernels.interpreter_mode():
+    pytest.skip("Triton kernels were built for the GPU (set TRITON_INTERPRET=1 before importing triton)",
+                allow_module_level=True)
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy 1/0 = inf in the interpreter
+
+FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "te_golden.pt")
+
+
+def _x(shape, dtype, seed=0, scale=3.0):
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * scale).to(dtype)
+
+
+def _same(a, b):
+    assert a is not None
+    assert a.shape == b.shape and a.block == b.block and a.rht == b.rht and a.dtype == b.dtype
+    assert torch.equal(a.data, b.data), "packed codes"
+    assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)), "scale bytes"
+    assert a.amax.shape == b.amax.shape and torch.equal(a.amax, b.amax), "amax"
+
+
+# ----------------------------------------------------------------------------- numerics helpers
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from nvfp4lab.kernels import triton_kernels as tk  # noqa: E402
+
+
+@triton.jit
+def _e4m3_probe(x_ptr, v_ptr, c_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    v, c = tk._e4m3_rne(tl.load(x_ptr + i))
+    tl.store(v_ptr + i, v)
+    tl.store(c_ptr + i, c)
+    tl.store(x_ptr + i, tk._e4m3_decode(c))
+
+
+@triton.jit
+def _bf16_probe(x_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    tl.store(x_ptr + i, tk._round_bf16(tl.load(x_ptr + i)))
+
+
+def test_e4m3_rounding_matches_torch():
+    """The integer RNE to E4M3 (normal and subnormal) equals torch's float8_e4m3fn cast on [0, 448]."""
+    g = torch.Generator().manual_seed(1)
+    grid = torch.arange(0, 127, dtype=torch.uint8).view(torch.float8_e4m3fn).float()  # every E4M3 value 0..448
+    mids = (grid[1:] + grid[:-1]) / 2
+    ulp = lambda t, d: torch.nextafter(t, torch.full_like(t, d))  # noqa: E731
+    vals = torch.cat([grid, mids, ulp(mids, 0.0), ulp(mids, 1e9), torch.rand(2**14, generator=g) * 448,
+                      torch.rand(2**12, generator=g) * 0.02, torch.exp2(-torch.rand(2**12, generator=g) * 30)])
+    vals = vals.clamp(0, 448)
+    n = 1 << (vals.numel() - 1).bit_length()
+    x = torch.zeros(n)
+    x[: vals.numel()] = vals
+    v, c, back = torch.empty(n), torch.empty(n, dtype=torch.int32), x.clone()
+    _e4m3_probe[(1,)](back, v, c, N=n)
+    ref = x.to(torch.float8_e4m3fn)
+    assert torch.equal(v, ref.float())
+    assert torch.equal(c, ref.view(torch.uint8).int())
+    assert torch.equal(back, ref.float())  # decode(encode(s)) == float(e4m3(s))
+
+
+def test_bf16_rounding_matches_torch():
+    g = torch.Generator().manual_seed(2)
+    b = torch.randint(0, 2**16, (4096,), generator=g, dtype=torch.int32)
+    base = (b << 16).view(torch.float32)
+    base = base[torch.isfinite(base)]
+    x = torch.cat([base + base * 2**-9, base * (1 + 2**-8), base * (1 - 2**-8), torch.randn(2048, generator=g)])
+    x = x[torch.isfinite(x)][:4096]
+    x = torch.cat([x, torch.zeros(4096 - x.numel())])
+    y = x.clone()
+    _bf16_probe[(1,)](y, N=4096)
+    assert torch.equal(y, x.to(torch.bfloat16).float())
+
+
+# ----------------------------------------------------------------------------- bit-exactness
+SHAPES = [(128, 128), (256, 272), (32, 48), (17, 33), (3, 32, 48)]
+CONFIGS = [("1d", False), ("2d", False), ("1d", True)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
+def test_quantize_fast_bit_exact(shape, dtype, block, rht):
+    x = _x(shape, dtype)
+    if rht and shape[-1] % 16:
+        assert kernels.quantize_fast(x, rht=True) is None  # the reference raises ValueError
+        return
+    _same(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
+
+
+def test_float16_and_given_amax_and_signs():
+    x = _x((32, 64), torch.float16)
+    _same(kernels.quantize_fast(x), quantize(x))
+    assert kernels.quantize_fast(x, rht=True) is None  # fp16 + RHT: reference path
+    y = _x((32, 64), torch.float32)
+    for amax in (1.5, torch.tensor(20.0), torch.tensor([0.0])):
+        _same(kernels.quantize_fast(y, amax=amax), quantize(y, amax=amax))
+    _same(kernels.quantize_fast(y, rht=True, rht_signs=None), quantize(y, rht=True, rht_signs=None))
+    signs = torch.tensor([1.0, -1.0] * 8)
+    _same(kernels.quantize_fast(y, rht=True, rht_signs=signs), quantize(y, rht=True, rht_signs=signs))
+
+
+@pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_non_contiguous(block, rht, dtype):
+    base = _x((64, 96), dtype)
+    views = [base.t(), base[:, ::2], base[::2], _x((4, 32, 48), dtype).permute(1, 0, 2)]
+    for v in views:
+        if rht and v.shape[-1] % 16:
+            continue
+        _same(kernels.quantize_fast(v, block=block, rht=rht), quantize(v, block=block, rht=rht))
+
+
+@pytest.mark.parametrize("shape", [(64, 96), (48, 80), (3, 16, 48), (40, 24)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
+def test_fused_rowwise_columnwise(shape, dtype, block, rht):
+    x = _x(shape, dtype, seed=3)
+    x2 = x.reshape(-1, x.shape[-1])
+    out = kernels.fused_quantize_rowwise_columnwise(x, block=block, rht=rht, fallback=False)
+    if rht and x2.shape[0] % 16:
+        assert out is None
+        return
+    row, col = out
+    _same(row, quantize(x, block=block))
+    _same(col, quantize(x2.t(), block=block, rht=rht))
+
+
+def test_fused_given_amax_and_fallback():
+    x = _x((32, 64), torch.bfloat16)
+    row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=True, amax=7.0, amax_t=torch.tensor(9.0))
+    _same(row, quantize(x, amax=7.0))
+    _same(col, quantize(x.t(), rht=True, amax=9.0))
+    x64 = x.double()
+    assert kernels.fused_quantize_rowwise_columnwise(x64, fallback=False) is None
+    row, col = kernels.fused_quantize_rowwise_columnwise(x64, rht=True)
+    _same(row, quantize(x64))
+    _same(col, quantize(x64.t(), rht=True))
+
+
+def test_golden_special_inputs():
+    """TE golden inputs (zeros, finfo.max, ±inf, ties, boundary, denormal block, tiny amax, 3-D)."""
+    inputs = torch.load(FIXTURE, weights_only=True)["inputs"]
+    names = ["zeros_128x128_bf16", "max_128x128_fp32", "max_128x128_bf16", "inf_32x64_fp32", "inf_32x64_bf16",
+             "ties_16x64_fp32", "boundary_16x128_fp32", "boundary_32x128_bf16", "denormal_block_32x64_fp32",
+             "tiny_amax_32x64_fp32", "lognormal_rows_64x128_fp32", "three_d_4x32x64_bf16"]
+    for name in names:
+        x = inputs[name]
+        x2 = x.reshape(-1, x.shape[-1])
+        for block, rht in CONFIGS:
+            _same(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
+            if not rht or x2.shape[0] % 16 == 0:
+                _same(kernels.quantize_fast(x2.t(), block=block, rht=rht), quantize(x2.t(), block=block, rht=rht))
+
+
+def test_negative_zero_and_underflowed_scale():
+    x = torch.zeros(16, 32)
+    x[0, 0] = -0.0
+    x[1, :16] = 1e-3  # block scale underflows to 0 next to a large block: codes ±6, scale 0
+    x[1, 16] = 1e4
+    x[2, :16] = -1e-3
+    _same(kernels.quantize_fast(x), quantize(x))
+    assert int(kernels.quantize_fast(x).data[0, 0]) == 0  # exact -0.0 -> code 0, as TE's reference
+
+
+# ----------------------------------------------------------------------------- decode and GEMM
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
+def test_dequantize_and_block_values(dtype, block, rht):
+    for x in (_x((48, 80), dtype), _x((17, 40), dtype), torch.load(FIXTURE, weights_only=True)["inputs"]["inf_32x64_bf16"]):
+        if rht and x.shape[-1] % 16:
+            continue
+        q = quantize(x, block=block, rht=rht)
+        assert torch.equal(kernels.dequantize_to_bf16(q), q.dequantize(torch.bfloat16))
+        assert torch.equal(kernels.dequantize_to_bf16(q, undo_rht=False), q.dequantize(torch.bfloat16, undo_rht=False))
+        assert torch.equal(kernels.block_values_bf16(q), q.block_values(torch.bfloat16))
+
+
+def test_matmul_fast_equals_reference_on_cpu():
+    a = quantize(_x((48, 64), torch.bfloat16, seed=5))
+    b = quantize(_x((32, 64), torch.float32, seed=6), block="2d")
+    assert torch.equal(kernels.nvfp4_matmul_fast(a, b), nvfp4_matmul(a, b))
+    with pytest.raises(ValueError):
+        kernels.nvfp4_matmul_fast(a, quantize(_x((32, 48), torch.float32)))
+
+
+def test_gemm_quantizer_in_nvfp4linear():
+    linear = pytest.importorskip("nvfp4lab.linear")
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    recipe = NVFP4Recipe(disable_stochastic_rounding=True)
+    torch.manual_seed(0)
+    ref = linear.NVFP4Linear(64, 48, recipe=recipe)
+    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe, quantizer=kernels.TritonGemmQuantizer())
+    x = _x((2, 16, 64), torch.float32, seed=7).requires_grad_()
+    y_ref = ref(x)
+    y_ref.square().sum().backward()
+    g_ref = (x.grad.clone(), ref.weight.grad.clone(), ref.bias.grad.clone())
+    x.grad = None
+    ref.weight.grad = ref.bias.grad = None
+    y = fast(x)
+    y.square().sum().backward()
+    assert torch.equal(y, y_ref)
+    for a, b in zip((x.grad, fast.weight.grad, fast.bias.grad), g_ref):
+        assert torch.equal(a, b)
+
+
+# ----------------------------------------------------------------------------- stochastic rounding
+def _sr_check(codes, y, n_draws):
+    """codes [n_draws, *y.shape] E2M1 codes drawn for the scaled values y (fp32, in E2M1 units)."""
+    yc = y.clamp(-6, 6)
+    a = yc.abs()
+    grid = E2M1_VALUES
+    lo_i = torch.searchsorted(grid, a, right=True) - 1
+    lo, hi = grid[lo_i], grid[(lo_i + 1).clamp(max=7)]
+    vals = decode_e2m1(codes)
+    mag = vals.abs()
+    # 1. every code is one of the two bracketing grid points, with y's sign (-0 for small negatives)
+    assert bool(((mag == lo) | (mag == hi)).all())
+    assert bool((((codes & 8) != 0) == (yc < 0)).all())
+    # 2. unbiased: ups ~ Binomial(n, p) per element; chi-square over elements with 0 < p < 1
+    gap = torch.where(hi > lo, hi - lo, torch.ones_like(hi))
+    p = torch.where(hi > lo, (a - lo) / gap, torch.zeros_like(a))
+    ups = (mag == hi).double().sum(0) * (hi > lo)
+    live = (p > 0) & (p < 1)
+    var = n_draws * p * (1 - p)
+    chi2 = (((ups - n_draws * p) ** 2)[live] / var[live]).sum()
+    d = int(live.sum())
+    assert d > 100
+    # chi2 ~ d ± sqrt(2d): a 6-sigma band (false-failure probability ~1e-9 in the normal limit)
+    assert abs(float(chi2) - d) < 6 * (2 * d) ** 0.5, (float(chi2), d)
+    # the mean of the draws converges to y: overall z-score of the summed deviation
+    z = float((ups - n_draws * p)[live].sum() / var[live].sum().sqrt())
+    assert abs(z) < 5, z
+    return float(chi2), d, z
+
+
+def test_sr_rowwise_statistics():
+    n = 64
+    x = _x((16, 64), torch.bfloat16, seed=11)
+    xr = x.repeat(n, 1)  # n copies of the same rows: same global amax and block scales
+    gen = torch.Generator().manual_seed(0)
+    q = kernels.quantize_fast(xr, rounding="stochastic", generator=gen)
+    ref = quantize(xr, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8)) and torch.equal(q.amax, ref.amax)
+    y = x.float().view(16, 4, 16) * block_encode_scales(q.scale[:16], q.amax)[:, :, None]
+    _sr_check(q.codes().view(n, 16, 64), y.view(16, 64), n)
+    _sr_check(ref.codes().view(n, 16, 64), y.view(16, 64), n)  # the reference passes the same test
+    # reproducible from the generator state; a second draw differs
+    again = kernels.quantize_fast(xr, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    assert torch.equal(again.data, q.data)
+    other = kernels.quantize_fast(xr, rounding="stochastic", generator=gen)
+    assert not torch.equal(other.data, q.data)
+
+
+def test_sr_fused_columnwise_rht_statistics():
+    n = 64
+    x = _x((32, 16), torch.bfloat16, seed=12)  # M=32 tokens, K=16 features
+    xr = x.repeat(1, n)  # n copies of each feature column: columnwise rows repeat
+    row, col = kernels.fused_quantize_rowwise_columnwise(xr, rht=True, rounding="stochastic",
+                                                          generator=torch.Generator().manual_seed(1),
+                                                          fallback=False)
+    ref_col = quantize(xr.t(), rht=True)
+    assert torch.equal(col.scale.view(torch.uint8), ref_col.scale.view(torch.uint8))
+    assert torch.equal(col.amax, ref_col.amax)
+    from nvfp4lab.hadamard import random_hadamard_transform
+
+    xt = random_hadamard_transform(x.t().contiguous()).float()  # [16, 32]
+    y = xt.view(16, 2, 16) * block_encode_scales(col.scale[:16], col.amax)[:, :, None]
+    _sr_check(col.codes().view(n, 16, 32), y.view(16, 32), n)
+    ref_row = quantize(xr)
+    assert torch.equal(row.scale.view(torch.uint8), ref_row.scale.view(torch.uint8))
+    yr = (x.float().view(32, 1, 16) * block_encode_scales(row.scale.view(torch.uint8)[:, :1].view(torch.float8_e4m3fn),
+                                                          row.amax)[:, :, None]).view(32, 16)
+    _sr_check(row.codes().view(32, n, 16).transpose(0, 1), yr, n)
+
+
+# ----------------------------------------------------------------------------- dispatch
+def test_returns_none_where_the_fast_path_does_not_apply():
+    x = _x((32, 48), torch.float32)
+    assert kernels.quantize_fast(x.double()) is None
+    assert kernels.quantize_fast(torch.tensor(1.0)) is None
+    assert kernels.quantize_fast(torch.empty(0, 16)) is None
+    assert kernels.quantize_fast(_x((32, 40), torch.float32), rht=True) is None  # K % 16
+    assert kernels.quantize_fast(x[0], block="2d") is None
+    assert kernels.quantize_fast(x, block="3d") is None
+    assert kernels.quantize_fast(x, amax=-1.0) is None
+    assert kernels.quantize_fast(_x((32, 64), torch.float32), rht=True, rht_signs=torch.ones(8)) is None
+    assert kernels.quantize_fast(torch.zeros(4, 16, dtype=torch.int32)) is None
+    with kernels.disabled():
+        assert kernels.quantize_fast(x) is None
+        assert not kernels.available("cpu")
+    assert kernels.available("cpu")
+    assert kernels.quantize_fast(x) is not None
+
+
+def test_rht_fp32_butterfly_mode_is_close_for_bf16():
+    """RHT_F64=False: float32 butterfly; bit-exact for ordinary bf16 data, documented otherwise."""
+    x = _x((64, 128), torch.bfloat16, seed=9)
+    old = kernels.RHT_F64
+    kernels.RHT_F64 = False
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            q = kernels.quantize_fast(x, rht=True)
+    finally:
+        kernels.RHT_F64 = old
+    _same(q, quantize(x, rht=True))
