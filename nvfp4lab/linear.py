@@ -1,0 +1,488 @@
+"""Emulated NVFP4 linear layer: the paper's recipe in a drop-in ``nn.Linear``.
+
+A linear layer ``Y = X Wᵀ + b`` (X: [M tokens, K], W: [N, K]) costs three GEMMs per training
+step. :class:`NVFP4Linear` runs each one as Transformer Engine's ``NVFP4BlockScaling`` recipe
+does (nvfp4-spec.md sections 3-6; TE ``pytorch/module/linear.py`` with the quantizers of
+``NVFP4BlockScalingRecipeState.make_quantizers``), every GEMM written ``a @ bᵀ`` with both
+operands quantized along the contraction axis::
+
+    GEMM    computes          a (quantized along)          b (quantized along)
+    Fprop   Y  = X Wᵀ         X   rowwise 1x16 (K), RNE     W  2D 16x16 (K), RNE
+    Dgrad   dX = dY W         dY  rowwise 1x16 (N), SR      Wᵀ 2D 16x16 (N), RNE
+    Wgrad   dW = dYᵀ X        dYᵀ 1x16 (M), RHT + SR        Xᵀ 1x16 (M), RHT, RNE
+
+* 2D weights: one E4M3 scale per 16x16 tile, so the Dgrad operand ``Wᵀ`` is exactly the
+  transpose of the Fprop operand ``W`` (with ``disable_2d_quantization`` the Dgrad copy is an
+  independent 1x16 quantization of ``Wᵀ``, as TE's columnwise weight).
+* The Wgrad operands are the *columnwise* copies: the transposes quantized along the token
+  axis, each with its own (post-RHT) amax. The RHT rotates 16-token chunks with the same
+  matrix on both operands; ``R Rᵀ = I`` cancels it in the GEMM, so the GEMM uses the rotated
+  values directly.
+* Each GEMM is the exact emulation :func:`nvfp4lab.quantize.nvfp4_matmul`: ``code × block
+  scale`` operands (exact in BF16/FP32), FP32 accumulation, then the per-tensor factor
+  ``amax_a·amax_b/(6²·448²)`` in FP32.
+* Bias: added in FP32 to the Fprop result; its gradient is the FP32 column sum of the
+  unquantized dY (TE computes ``dbias`` from the high-precision grad_output).
+* Dtypes: master weights (and bias) stay in their own dtype, normally FP32, and their
+  gradients come back in it. Under ``torch.autocast`` the input is cast to the autocast dtype
+  (BF16), as TE casts activations; the output and dX have the input's dtype. Autocast is
+  switched off inside the GEMM emulation so the FP32 accumulation is not silently downcast.
+
+Shapes. The token count M is arbitrary: for the RHT the columnwise copies are zero-padded to a
+multiple of 16 tokens (zero tokens add nothing to dW; TE itself requires M % 16 == 0 there).
+Feature sizes K, N that are not multiples of 16 are handled by the quantizer's zero padding of
+partial blocks (TE's native kernels require multiples of 16; the model keeps them so).
+
+Non-finite values. The quantizer refuses NaN; a NaN reaching this layer instead produces a NaN
+output (or NaN gradients) so that the training loop's non-finite check can name the step.
+
+Instrumentation. :func:`capture_gemm_operands` records every quantized GEMM operand with the
+options and the SR generator state used, so tests can check them bit for bit against
+``quantize(...)`` of the right tensor.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterator, Protocol
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from .fp8 import FP8Linear, FP8Recipe
+from .recipe import NVFP4Recipe
+
+__all__ = [
+    "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
+    "GemmQuantizer", "NVFP4GemmQuantizer", "IdentityQuantizer", "set_quantization_enabled",
+    "layer_precisions", "TOKEN_PAD",
+]
+
+#: Precisions understood by :func:`convert_model` (and the trainer).
+PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
+#: Token-axis padding multiple for the RHT'd columnwise copies (the RHT length).
+TOKEN_PAD = 16
+
+
+# ----------------------------------------------------------------------------- quantizer plug
+class GemmQuantizer(Protocol):
+    """What :class:`NVFP4Linear` needs: quantize one operand, multiply two (``a @ bᵀ``)."""
+
+    def quantize(self, x: torch.Tensor, **options: Any) -> Any: ...
+
+    def matmul(self, a: Any, b: Any) -> torch.Tensor: ...
+
+
+class NVFP4GemmQuantizer:
+    """The default: :func:`nvfp4lab.quantize.quantize` and :func:`nvfp4lab.quantize.nvfp4_matmul`."""
+
+    name = "nvfp4"
+
+    def quantize(self, x: torch.Tensor, **options: Any):
+        from .quantize import quantize
+
+        return quantize(x, **options)
+
+    def matmul(self, a, b) -> torch.Tensor:
+        from .quantize import nvfp4_matmul
+
+        return nvfp4_matmul(a, b, out_dtype=torch.float32)
+
+
+class IdentityQuantizer:
+    """No quantization: operands pass through; the GEMM is an FP32 ``a @ bᵀ``.
+
+    With it (and the recipe's RHT off) :class:`NVFP4Linear` computes exactly what ``nn.Linear``
+    computes in FP32: the test that the autograd plumbing (which tensor goes in which GEMM,
+    transposes, padding, bias) is right independently of the number format.
+    """
+
+    name = "identity"
+
+    def quantize(self, x: torch.Tensor, **options: Any) -> torch.Tensor:
+        return x
+
+    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        return a.to(torch.float32) @ b.to(torch.float32).t()
+
+
+# ----------------------------------------------------------------------------- instrumentation
+@dataclass
+class GemmOperand:
+    """One quantized GEMM operand, as recorded by :func:`capture_gemm_operands`.
+
+    gemm : "fprop" | "dgrad" | "wgrad".  operand : "x", "w" (Fprop), "dy", "wt" (Dgrad),
+    "dyt", "xt" (Wgrad).  layer : the layer's name (set by :func:`convert_model`).
+    options : the keyword arguments given to the quantizer (without ``generator``).
+    rng_state : the SR generator's state just before the call (None when rounding is RNE).
+    source : the exact high-precision tensor handed to the quantizer (after transposing and
+    padding).  tensor : the quantized result (an ``NVFP4Tensor`` with the default quantizer).
+    """
+
+    gemm: str
+    operand: str
+    layer: str
+    options: dict[str, Any]
+    rng_state: torch.Tensor | None
+    source: torch.Tensor
+    tensor: Any
+
+
+_OBSERVERS: list[Callable[[GemmOperand], None]] = []
+
+
+@contextlib.contextmanager
+def capture_gemm_operands() -> Iterator[list[GemmOperand]]:
+    """Record every quantized operand of every :class:`NVFP4Linear` GEMM run inside the block.
+
+    >>> with capture_gemm_operands() as ops:
+    ...     layer(x).sum().backward()
+    >>> [(o.gemm, o.operand) for o in ops]   # fprop x, w, (wgrad xt), dgrad dy, wt, wgrad dyt
+    """
+    records: list[GemmOperand] = []
+    _OBSERVERS.append(records.append)
+    try:
+        yield records
+    finally:
+        _OBSERVERS.remove(records.append)
+
+
+# ----------------------------------------------------------------------------- the Function
+@dataclass
+class _LayerState:
+    recipe: NVFP4Recipe
+    quantizer: Any
+    name: str = ""
+    generator: torch.Generator | None = None
+    seed: int = 0
+    _generators: dict[str, torch.Generator] = field(default_factory=dict)
+
+    def sr_generator(self, device: torch.device) -> torch.Generator:
+        if self.generator is not None:
+            return self.generator
+        key = str(device)
+        if key not in self._generators:
+            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
+        return self._generators[key]
+
+
+def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role: str):
+    options = state.recipe.quantize_options(role)
+    kwargs = dict(options)
+    rng_state = None
+    if options["rounding"] == "stochastic":
+        gen = state.sr_generator(x.device)
+        kwargs["generator"] = gen
+        if _OBSERVERS:
+            rng_state = gen.get_state()
+    q = state.quantizer.quantize(x, **kwargs)
+    if _OBSERVERS:
+        record = GemmOperand(gemm, operand, state.name, options, rng_state, x, q)
+        for observer in list(_OBSERVERS):
+            observer(record)
+    return q
+
+
+def _pad_tokens(xt: torch.Tensor, multiple: int) -> torch.Tensor:
+    """Zero-pad the last (token) axis of a [features, M] tensor to a multiple of ``multiple``."""
+    pad = (-xt.shape[-1]) % multiple
+    return F.pad(xt, (0, pad)) if pad else xt
+
+
+def _columnwise(x2d: torch.Tensor, rht: bool) -> torch.Tensor:
+    """``x2d`` [M, F] -> contiguous [F, M'] (tokens last; zero-padded to 16 tokens for the RHT)."""
+    xt = x2d.t().contiguous()
+    return _pad_tokens(xt, TOKEN_PAD) if rht else xt
+
+
+class _NVFP4LinearFunction(torch.autograd.Function):
+    """Autograd function of :class:`NVFP4Linear`: see the module docstring for the three GEMMs."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, state: _LayerState, grad_enabled: bool):  # type: ignore[override]
+        N, K = weight.shape
+        x2d = x.reshape(-1, K)
+        out_shape = (*x.shape[:-1], N)
+        ctx.state = state
+        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
+        ctx.w_dtype = weight.dtype
+        ctx.bias_dtype = None if bias is None else bias.dtype
+        ctx.nan_input = bool(torch.isnan(x2d).any()) or bool(torch.isnan(weight).any())
+        if ctx.nan_input or x2d.shape[0] == 0:
+            fill = float("nan") if ctx.nan_input else 0.0
+            return torch.full(out_shape, fill, dtype=x.dtype, device=x.device)
+
+        recipe = state.recipe
+        # needs_input_grad is set even under no_grad: skip the backward copies when not training.
+        need_dgrad = grad_enabled and ctx.needs_input_grad[0]
+        need_wgrad = grad_enabled and ctx.needs_input_grad[1]
+        with torch.autocast(device_type=x.device.type, enabled=False):
+            qx = _quantize(state, "fprop", "x", x2d, "input_rowwise")
+            qw = _quantize(state, "fprop", "w", weight, "weight")
+            y = state.quantizer.matmul(qx, qw)                       # Fprop [M, N], fp32
+            if bias is not None:
+                y = y + bias.to(torch.float32)
+            # The copies the backward GEMMs need, quantized now as TE does in its forward.
+            ctx.qwt = (_quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise")
+                       if need_dgrad else None)
+            ctx.qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not recipe.disable_rht),
+                                 "input_columnwise")
+                       if need_wgrad else None)
+        return y.to(x.dtype).reshape(out_shape)
+
+    @staticmethod
+    def backward(ctx, grad_out):  # type: ignore[override]
+        state: _LayerState = ctx.state
+        recipe = state.recipe
+        M = 1
+        for d in ctx.x_shape[:-1]:
+            M *= d
+        K = ctx.x_shape[-1]
+        dy = grad_out.reshape(M, -1)
+        N = dy.shape[1]
+        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
+            ctx.needs_input_grad[2]
+        dx = dw = db = None
+        nan = ctx.nan_input or bool(torch.isnan(dy).any())
+        if nan or M == 0:
+            fill = float("nan") if nan else 0.0
+            dev = grad_out.device
+            if need_dgrad:
+                dx = torch.full(ctx.x_shape, fill, dtype=ctx.x_dtype, device=dev)
+            if need_wgrad:
+                dw = torch.full((N, K), fill, dtype=ctx.w_dtype, device=dev)
+            if need_dbias:
+                db = torch.full((N,), fill, dtype=ctx.bias_dtype, device=dev)
+            return dx, dw, db, None, None
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            if need_dgrad:
+                qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise")
+                dx = state.quantizer.matmul(qdy, ctx.qwt)             # Dgrad [M, K]
+                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+            if need_wgrad:
+                dyt = _columnwise(dy, not recipe.disable_rht)
+                qdyt = _quantize(state, "wgrad", "dyt", dyt, "grad_output_columnwise")
+                dw = state.quantizer.matmul(qdyt, ctx.qxt).to(ctx.w_dtype)   # Wgrad [N, K]
+            if need_dbias:
+                db = dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        ctx.qwt = ctx.qxt = None
+        return dx, dw, db, None, None
+
+
+# ----------------------------------------------------------------------------- the module
+class NVFP4Linear(nn.Linear):
+    """Drop-in ``nn.Linear`` (bias supported) whose Fprop, Dgrad and Wgrad GEMMs are emulated NVFP4.
+
+    Parameters
+    ----------
+    in_features, out_features, bias, device, dtype : as ``nn.Linear``.
+    recipe : :class:`~nvfp4lab.recipe.NVFP4Recipe` (default: TE's defaults, RHT + SR + 2D).
+    generator : ``torch.Generator`` for stochastic rounding of gradients, on the device of the
+        activations. Default: one per device seeded with ``seed`` (lazily created). Give every
+        layer the same generator, seeded from the training seed, and save its state in
+        checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train.train` does).
+    seed : seed of the default generator (ignored when ``generator`` is given).
+    quantizer : a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
+    name : label used in :class:`GemmOperand` records.
+
+    Input ``[..., in_features]`` of a floating dtype; output ``[..., out_features]`` in the input's
+    dtype (the autocast dtype under ``torch.autocast``). ``quantize_enabled = False`` makes the
+    layer a plain ``nn.Linear`` (the BF16 cooldown of the paper's appendix).
+
+    Raises ``ValueError`` if the input's last dimension is not ``in_features`` and ``TypeError``
+    for a non-floating input.
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
+                 dtype=None, *, recipe: NVFP4Recipe | None = None,
+                 generator: torch.Generator | None = None, seed: int = 0,
+                 quantizer: GemmQuantizer | None = None, name: str = "") -> None:
+        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
+        self._setup(recipe, generator, seed, quantizer, name)
+
+    def _setup(self, recipe, generator, seed, quantizer, name) -> None:
+        recipe = NVFP4Recipe() if recipe is None else recipe
+        if not isinstance(recipe, NVFP4Recipe):
+            raise TypeError(f"recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
+        self._state = _LayerState(recipe=recipe,
+                                  quantizer=quantizer if quantizer is not None else NVFP4GemmQuantizer(),
+                                  name=name, generator=generator, seed=seed)
+        self.quantize_enabled = True
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, recipe: NVFP4Recipe | None = None,
+                    generator: torch.Generator | None = None, seed: int = 0,
+                    quantizer: GemmQuantizer | None = None, name: str = "") -> "NVFP4Linear":
+        """Wrap an existing ``nn.Linear``, sharing (not copying) its ``weight`` and ``bias``."""
+        new = cls.__new__(cls)
+        nn.Module.__init__(new)
+        new.in_features, new.out_features = linear.in_features, linear.out_features
+        new.weight = linear.weight
+        new.bias = linear.bias
+        new._setup(recipe, generator, seed, quantizer, name)
+        return new
+
+    @property
+    def recipe(self) -> NVFP4Recipe:
+        return self._state.recipe
+
+    @recipe.setter
+    def recipe(self, value: NVFP4Recipe) -> None:
+        if not isinstance(value, NVFP4Recipe):
+            raise TypeError(f"recipe must be an NVFP4Recipe, got {type(value).__name__}")
+        self._state.recipe = value
+
+    @property
+    def generator(self) -> torch.Generator | None:
+        return self._state.generator
+
+    @generator.setter
+    def generator(self, value: torch.Generator | None) -> None:
+        self._state.generator = value
+
+    @property
+    def quantizer(self) -> GemmQuantizer:
+        return self._state.quantizer
+
+    @quantizer.setter
+    def quantizer(self, value: GemmQuantizer) -> None:
+        self._state.quantizer = value
+
+    @property
+    def name(self) -> str:
+        return self._state.name
+
+    @name.setter
+    def name(self, value: str) -> None:
+        self._state.name = value
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if not torch.is_floating_point(x):
+            raise TypeError(f"NVFP4Linear expects a floating-point input, got {x.dtype}")
+        if x.dim() == 0 or x.shape[-1] != self.in_features:
+            raise ValueError(f"NVFP4Linear({self.in_features} -> {self.out_features}) expects input "
+                             f"[..., {self.in_features}], got {tuple(x.shape)}")
+        if not self.quantize_enabled:
+            return F.linear(x, self.weight, self.bias)
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))
+        return _NVFP4LinearFunction.apply(x, self.weight, self.bias, self._state, torch.is_grad_enabled())
+
+    def extra_repr(self) -> str:
+        on = "" if self.quantize_enabled else " (disabled)"
+        return f"{super().extra_repr()}, nvfp4=[{self.recipe.describe()}]{on}"
+
+
+# ----------------------------------------------------------------------------- model conversion
+#: Default pattern for "this linear belongs to transformer block i": ``blocks.3.``, ``h.3.``,
+#: ``layers.3.`` (nanoGPT, HF GPT-2, Llama naming).
+DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\."
+
+
+def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, nn.Linear)]
+
+
+def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
+    parent_name, _, child = name.rpartition(".")
+    parent = model.get_submodule(parent_name) if parent_name else model
+    setattr(parent, child, module)
+
+
+def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None = None, *,
+                  fp8_recipe: FP8Recipe | None = None, generator: torch.Generator | None = None,
+                  seed: int = 0, quantizer: GemmQuantizer | None = None,
+                  block_pattern: str = DEFAULT_BLOCK_PATTERN) -> nn.Module:
+    """Swap the chosen ``nn.Linear`` layers of ``model`` (in place) for the given precision.
+
+    precision :
+        ``"fp32"`` / ``"bf16"``: nothing is swapped (BF16 is the trainer's autocast).
+        ``"nvfp4"``: linear layers inside transformer blocks become :class:`NVFP4Linear`, except
+        those in the recipe's first ``bf16_first_layers`` and last ``bf16_last_layers`` blocks;
+        linear layers outside the blocks (the LM head) only if ``recipe.quantize_lm_head``.
+        ``"fp8"``: every linear layer inside the blocks becomes an
+        :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes quantize every ``te.Linear``; the head,
+        plain torch in a TE model, stays high precision). ``recipe`` is ignored.
+    recipe : the NVFP4 recipe (default ``NVFP4Recipe()``).
+    generator, seed : SR generator shared by all NVFP4 layers (default: a CPU-or-device
+        generator per layer seeded with ``seed``; see :class:`NVFP4Linear`).
+    block_pattern : regex whose group 1 is the block index in a module name.
+
+    Parameters are shared with the original layers, so weight tying survives and the
+    ``state_dict`` keys do not change: checkpoints are interchangeable across precisions.
+    Layers that are already NVFP4/FP8 are converted back to their high-precision view first.
+
+    Raises ``ValueError`` for an unknown precision, a model without numbered blocks (for
+    fp8/nvfp4), or a recipe whose layer selection does not fit the model
+    (:meth:`NVFP4Recipe.check_num_blocks`).
+    """
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
+    # Undo an earlier conversion so that conversions compose.
+    for name, layer in _linear_layers(model):
+        if isinstance(layer, (NVFP4Linear, FP8Linear)):
+            plain = nn.Linear.__new__(nn.Linear)
+            nn.Module.__init__(plain)
+            plain.in_features, plain.out_features = layer.in_features, layer.out_features
+            plain.weight, plain.bias = layer.weight, layer.bias
+            _set_module(model, name, plain)
+    if precision in ("fp32", "bf16"):
+        return model
+
+    pattern = re.compile(block_pattern)
+    layers = _linear_layers(model)
+    block_of = {}
+    for name, _ in layers:
+        m = pattern.search(name + ".")
+        block_of[name] = int(m.group(1)) if m else None
+    indices = sorted({b for b in block_of.values() if b is not None})
+    if not indices:
+        raise ValueError(f"no transformer blocks found in the model (no linear layer name matches "
+                         f"{block_pattern!r}); pass block_pattern=")
+    num_blocks = indices[-1] + 1
+
+    if precision == "fp8":
+        fp8_recipe = fp8_recipe if fp8_recipe is not None else FP8Recipe()
+        for name, layer in layers:
+            if block_of[name] is not None:
+                _set_module(model, name, FP8Linear.from_linear(layer, recipe=fp8_recipe))
+        return model
+
+    recipe = recipe if recipe is not None else NVFP4Recipe()
+    recipe.check_num_blocks(num_blocks)
+    for name, layer in layers:
+        b = block_of[name]
+        chosen = recipe.quantize_lm_head if b is None else recipe.block_is_quantized(b, num_blocks)
+        if chosen:
+            _set_module(model, name, NVFP4Linear.from_linear(
+                layer, recipe=recipe, generator=generator, seed=seed, quantizer=quantizer, name=name))
+    return model
+
+
+def set_quantization_enabled(model: nn.Module, enabled: bool) -> int:
+    """Switch every NVFP4/FP8 layer of ``model`` on or off (off = plain high-precision Linear).
+
+    Used for the BF16 cooldown. Returns the number of layers switched.
+    """
+    n = 0
+    for m in model.modules():
+        if isinstance(m, (NVFP4Linear, FP8Linear)):
+            m.quantize_enabled = bool(enabled)
+            n += 1
+    return n
+
+
+def layer_precisions(model: nn.Module) -> dict[str, str]:
+    """``{linear layer name: "nvfp4" | "fp8" | "high"}`` (disabled layers count as "high")."""
+    out = {}
+    for name, m in _linear_layers(model):
+        if isinstance(m, NVFP4Linear) and m.quantize_enabled:
+            out[name] = "nvfp4"
+        elif isinstance(m, FP8Linear) and m.quantize_enabled:
+            out[name] = "fp8"
+        else:
+            out[name] = "high"
+    return out

@@ -1,0 +1,209 @@
+"""The NVFP4 training recipe as a validated configuration object.
+
+:class:`NVFP4Recipe` mirrors Transformer Engine 2.20's ``recipe.NVFP4BlockScaling``
+(``transformer_engine/common/recipe/__init__.py`` L489-627, spec section 6) for the three
+switches that change numerics, and adds the part TE leaves to the user: which linear layers
+stay in high precision (the paper, arXiv 2509.25149, keeps ~15% of linear layers in BF16,
+mostly the last blocks; background section 1).
+
+What each tensor gets (spec section 3, TE ``__post_init__``)::
+
+    role                      block          RHT                 rounding
+    input,  rowwise  (Fprop)  1x16           no                  RNE
+    input,  columnwise(Wgrad) 1x16 (tokens)  yes unless disabled RNE
+    weight (Fprop and Dgrad)  16x16 (2D)     no                  RNE
+                              1x16 if disable_2d_quantization
+    grad_output, rowwise      1x16           no                  SR unless disabled
+    grad_output, columnwise   1x16 (tokens)  yes unless disabled SR unless disabled
+
+Everything that is not the GEMM of a quantized ``nn.Linear`` (embeddings, norms, the
+attention core ``softmax(QK^T)V``, non-linearities, the loss, master weights, gradients and
+optimizer state) stays in high precision; that is not configurable here because TE's recipe
+does not quantize it either (``fp8_dpa=False``, ``fp8_mha=False``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+__all__ = ["NVFP4Recipe", "QUANTIZATION_ROLES"]
+
+#: The quantization roles of a linear layer, see :meth:`NVFP4Recipe.quantize_options`.
+QUANTIZATION_ROLES = (
+    "input_rowwise",
+    "input_columnwise",
+    "weight",
+    "weight_columnwise",
+    "grad_output_rowwise",
+    "grad_output_columnwise",
+)
+
+_TE_ENV = {
+    "disable_rht": "NVTE_NVFP4_DISABLE_RHT",
+    "disable_stochastic_rounding": "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
+    "disable_2d_quantization": "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
+}
+
+
+@dataclass(frozen=True)
+class NVFP4Recipe:
+    """Configuration of emulated NVFP4 training (immutable; validated on construction).
+
+    Numerics (names and defaults as TE's ``NVFP4BlockScaling``):
+
+    disable_rht : bool, default False
+        Skip the 16-point random Hadamard transform on the Wgrad operands (the columnwise
+        copies of the input and of grad_output).
+    disable_stochastic_rounding : bool, default False
+        Round grad_output to nearest-even instead of stochastically (both copies).
+    disable_2d_quantization : bool, default False
+        Quantize weights with 1x16 blocks (rowwise for Fprop, an independent columnwise
+        quantization for Dgrad) instead of one 16x16 tile scale shared by W and W^T.
+
+    Layer selection (not in TE; defaults follow the paper as closely as a small model allows):
+
+    bf16_first_layers : int, default 1
+        Number of leading transformer blocks whose linear layers stay in high precision.
+    bf16_last_layers : int, default 1
+        Number of trailing transformer blocks whose linear layers stay in high precision. The
+        paper keeps mostly the *last* blocks (for its 12B model the first 2 and last 8 of 62,
+        ~16%); with 4-12 blocks, one block at each end is the closest round number.
+    quantize_lm_head : bool, default False
+        Whether linear layers outside the numbered blocks (the LM head) are quantized. The
+        paper keeps the output head in BF16.
+
+    Raises
+    ------
+    ValueError
+        A field has the wrong type (booleans must be ``bool``, layer counts non-negative
+        ``int``), or the combination is invalid: see :meth:`validate`.
+    """
+
+    disable_rht: bool = False
+    disable_stochastic_rounding: bool = False
+    disable_2d_quantization: bool = False
+    bf16_first_layers: int = 1
+    bf16_last_layers: int = 1
+    quantize_lm_head: bool = False
+
+    def __post_init__(self) -> None:
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every field; raise ``ValueError`` naming the first problem found."""
+        for name in ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization",
+                     "quantize_lm_head"):
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"NVFP4Recipe.{name} must be a bool, got {value!r}")
+        for name in ("bf16_first_layers", "bf16_last_layers"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise ValueError(f"NVFP4Recipe.{name} must be an int, got {value!r}")
+            if value < 0:
+                raise ValueError(f"NVFP4Recipe.{name} must be >= 0, got {value}")
+
+    def check_num_blocks(self, num_blocks: int) -> None:
+        """Check the layer selection against a model with ``num_blocks`` transformer blocks.
+
+        Raises ``ValueError`` if ``bf16_first_layers + bf16_last_layers`` exceeds the number of
+        blocks (the two ranges would overlap), or if the selection quantizes nothing at all
+        (every block kept in BF16 and the LM head not quantized), which would silently turn an
+        "NVFP4" run into a BF16 run.
+        """
+        keep = self.bf16_first_layers + self.bf16_last_layers
+        if keep > num_blocks:
+            raise ValueError(
+                f"NVFP4Recipe keeps bf16_first_layers={self.bf16_first_layers} + "
+                f"bf16_last_layers={self.bf16_last_layers} = {keep} blocks in BF16, but the model "
+                f"has only {num_blocks} blocks")
+        if keep == num_blocks and not self.quantize_lm_head:
+            raise ValueError(
+                f"NVFP4Recipe keeps all {num_blocks} blocks in BF16 and does not quantize the LM "
+                "head: no linear layer would be NVFP4. Lower bf16_first_layers/bf16_last_layers.")
+
+    def block_is_quantized(self, index: int, num_blocks: int) -> bool:
+        """True if block ``index`` (0-based) of ``num_blocks`` runs its linear layers in NVFP4."""
+        if not 0 <= index < num_blocks:
+            raise ValueError(f"block index {index} out of range for {num_blocks} blocks")
+        return self.bf16_first_layers <= index < num_blocks - self.bf16_last_layers
+
+    # ------------------------------------------------------------------ numerics per role
+    def quantize_options(self, role: str) -> dict[str, Any]:
+        """Keyword arguments for :func:`nvfp4lab.quantize.quantize` for one tensor role.
+
+        ``role`` is one of :data:`QUANTIZATION_ROLES`. Columnwise roles are meant for the
+        transposed tensor (tokens on the last axis). Source: TE's ``NVFP4BlockScaling.__post_init__``
+        (``fp4_quant_fwd_inp``, ``fp4_quant_fwd_weight``, ``fp4_quant_bwd_grad``) and spec 3-5.
+        """
+        sr = "nearest" if self.disable_stochastic_rounding else "stochastic"
+        rht = not self.disable_rht
+        weight_block = "1d" if self.disable_2d_quantization else "2d"
+        table = {
+            "input_rowwise": dict(block="1d", rht=False, rounding="nearest"),
+            "input_columnwise": dict(block="1d", rht=rht, rounding="nearest"),
+            "weight": dict(block=weight_block, rht=False, rounding="nearest"),
+            "weight_columnwise": dict(block=weight_block, rht=False, rounding="nearest"),
+            "grad_output_rowwise": dict(block="1d", rht=False, rounding=sr),
+            "grad_output_columnwise": dict(block="1d", rht=rht, rounding=sr),
+        }
+        try:
+            return dict(table[role])
+        except KeyError:
+            raise ValueError(f"unknown quantization role {role!r}; expected one of "
+                             f"{QUANTIZATION_ROLES}") from None
+
+    # ------------------------------------------------------------------ (de)serialisation
+    def replace(self, **changes: Any) -> "NVFP4Recipe":
+        """A copy with some fields changed (validated again)."""
+        unknown = set(changes) - {f.name for f in dataclasses.fields(self)}
+        if unknown:
+            raise ValueError(f"unknown NVFP4Recipe field(s): {sorted(unknown)}")
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any] | None) -> "NVFP4Recipe":
+        """Inverse of :meth:`to_dict`; ``None`` gives the defaults. Unknown keys raise ``ValueError``."""
+        if data is None:
+            return cls()
+        if isinstance(data, NVFP4Recipe):
+            return data
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown NVFP4Recipe field(s): {sorted(unknown)}")
+        return cls(**dict(data))
+
+    @classmethod
+    def from_te_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "NVFP4Recipe":
+        """Defaults taken from TE's environment variables (``NVTE_NVFP4_DISABLE_RHT=1`` etc.).
+
+        TE reads these once, when ``NVFP4BlockScaling`` is defined; here they are read when this
+        is called. A value other than ``"0"``/``"1"`` raises ``ValueError``.
+        """
+        environ = os.environ if environ is None else environ
+        fields: dict[str, Any] = {}
+        for field, var in _TE_ENV.items():
+            raw = environ.get(var)
+            if raw is None:
+                continue
+            if raw not in ("0", "1"):
+                raise ValueError(f"{var} must be '0' or '1', got {raw!r}")
+            fields[field] = raw == "1"
+        fields.update(overrides)
+        return cls.from_dict(fields)
+
+    def describe(self) -> str:
+        """One line summary, e.g. ``'RHT+SR+2D, BF16 blocks first 1/last 1, head BF16'``."""
+        parts = [name for name, off in (("RHT", self.disable_rht),
+                                        ("SR", self.disable_stochastic_rounding),
+                                        ("2D", self.disable_2d_quantization)) if not off]
+        head = "head NVFP4" if self.quantize_lm_head else "head BF16"
+        return (f"{'+'.join(parts) or 'no RHT/SR/2D'}, BF16 blocks first "
+                f"{self.bf16_first_layers}/last {self.bf16_last_layers}, {head}")
