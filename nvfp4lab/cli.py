@@ -1,0 +1,279 @@
+"""The ``nvfp4lab`` command line.
+
+Subcommands are registered in :data:`SUBCOMMANDS`, a dict ``name -> registrar``. A registrar
+receives the ``argparse`` sub-parsers object, adds its parser and sets ``func`` (called with the
+parsed namespace, returning the exit code). It is either a callable or a lazy
+``"module:function"`` string, imported only when the parser is built (so ``--help`` stays fast
+and a broken optional module only costs its own subcommand). To add one (``bench``, say),
+either add a line to :data:`SUBCOMMANDS` or, from the module itself::
+
+    from nvfp4lab.cli import register_subcommand
+
+    @register_subcommand("bench")
+    def _register(subparsers):
+        p = subparsers.add_parser("bench", help="...")
+        p.set_defaults(func=run_bench)
+
+Built in here:
+
+* ``nvfp4lab train --precision {bf16,fp32,fp8,nvfp4} [recipe options] --preset ... --steps ... --out DIR``
+* ``nvfp4lab compare --variants bf16,fp8,nvfp4,nvfp4-no-rht,... [same options] --out DIR``
+
+Exit codes: 0 success, 2 bad arguments (argparse) or invalid configuration, 3 a run stopped on
+a non-finite loss or gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import sys
+from typing import Any, Callable, Sequence
+
+__all__ = ["SUBCOMMANDS", "register_subcommand", "build_parser", "main"]
+
+Registrar = Callable[[Any], Any]
+
+#: name -> registrar(subparsers), a callable or a lazy "module:function" string. Insertion order
+#: is the order in ``--help``. ``train`` and ``compare`` are added below.
+SUBCOMMANDS: dict[str, Registrar | str] = {
+    "probe": "nvfp4lab.probe:add_probe_subcommand",
+}
+
+
+def register_subcommand(name: str) -> Callable[[Registrar], Registrar]:
+    """Decorator: add ``registrar`` to :data:`SUBCOMMANDS` under ``name`` (replacing any)."""
+
+    def deco(fn: Registrar) -> Registrar:
+        SUBCOMMANDS[name] = fn
+        return fn
+
+    return deco
+
+
+def _resolve(name: str, registrar: Registrar | str) -> Registrar | None:
+    if callable(registrar):
+        return registrar
+    module, _, attr = registrar.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as exc:
+        print(f"nvfp4lab: warning: subcommand {name!r} unavailable ({registrar}: {exc})", file=sys.stderr)
+        return None
+
+
+def _positive_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}") from None
+    if v <= 0:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {v}")
+    return v
+
+
+def _nonneg_int(text: str) -> int:
+    try:
+        v = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {text!r}") from None
+    if v < 0:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 0, got {v}")
+    return v
+
+
+def _fraction(text: str) -> float:
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {text!r}") from None
+    if not 0.0 <= v < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a number in [0, 1), got {v}")
+    return v
+
+
+def _add_common_options(p: argparse.ArgumentParser) -> None:
+    """Options shared by ``train`` and ``compare`` (everything but precision/out/resume)."""
+    from .model import PRESETS
+
+    g = p.add_argument_group("model and data")
+    g.add_argument("--preset", default="ci", choices=sorted(PRESETS),
+                   help="model and optimisation preset (default: ci)")
+    g.add_argument("--steps", type=_positive_int, help="optimizer steps (default: preset)")
+    g.add_argument("--batch-size", type=_positive_int, help="sequences per step (default: preset)")
+    g.add_argument("--seq-len", type=_positive_int, help="sequence length (default: preset)")
+    g.add_argument("--n-layer", type=_positive_int, help="transformer blocks (default: preset)")
+    g.add_argument("--n-embd", type=_positive_int, help="model width (default: preset)")
+    g.add_argument("--n-head", type=_positive_int, help="attention heads (default: preset)")
+    g.add_argument("--lr", type=float, help="peak learning rate (default: preset)")
+    g.add_argument("--warmup-steps", type=_nonneg_int, help="linear warmup steps (default: preset)")
+    g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 = off (default 1.0)")
+    g.add_argument("--text", metavar="PATH",
+                   help="UTF-8 file or folder of files (default: built-in pydoc_data.topics)")
+    g.add_argument("--seed", type=_nonneg_int, default=0, help="seed for init, data and SR (default 0)")
+
+    r = p.add_argument_group("NVFP4 recipe (TE NVFP4BlockScaling fields and layer selection)")
+    r.add_argument("--disable-rht", action="store_true", help="no random Hadamard transform on Wgrad operands")
+    r.add_argument("--disable-stochastic-rounding", "--disable-sr", dest="disable_stochastic_rounding",
+                   action="store_true", help="round gradients to nearest instead of stochastically")
+    r.add_argument("--disable-2d-quantization", "--disable-2d", dest="disable_2d_quantization",
+                   action="store_true", help="1x16 weight blocks instead of 16x16 tiles")
+    r.add_argument("--bf16-first-layers", type=_nonneg_int, default=1,
+                   help="leading blocks kept in BF16 (default 1)")
+    r.add_argument("--bf16-last-layers", type=_nonneg_int, default=1,
+                   help="trailing blocks kept in BF16 (default 1)")
+    r.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
+    r.add_argument("--cooldown-frac", type=_fraction, default=0.0,
+                   help="switch NVFP4/FP8 layers to BF16 for this final fraction of steps (default 0)")
+
+    b = p.add_argument_group("bookkeeping")
+    b.add_argument("--eval-interval", type=_positive_int, help="steps between validations (default: preset)")
+    b.add_argument("--eval-batches", type=_positive_int, help="validation batches (default: preset)")
+    b.add_argument("--log-interval", type=_positive_int, default=10, help="steps between train-loss records")
+    b.add_argument("--checkpoint-interval", type=_nonneg_int,
+                   help="steps between checkpoints (default: eval interval; 0: only at the end)")
+    b.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
+                   help="on a NaN/Inf loss or gradient: stop (default) or skip the step")
+    b.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    b.add_argument("--threads", type=_positive_int, help="torch CPU threads")
+    prog = b.add_mutually_exclusive_group()
+    prog.add_argument("--progress", dest="progress", action="store_true", default=None,
+                      help="always show the progress bar")
+    prog.add_argument("--no-progress", dest="progress", action="store_false",
+                      help="never show the progress bar (default: only on a terminal)")
+    b.add_argument("--no-plot", dest="plot", action="store_false", help="skip the loss-curve PNG")
+
+
+def config_from_args(args: argparse.Namespace, precision: str | None = None):
+    """Build a :class:`~nvfp4lab.train.TrainConfig` from parsed ``train``/``compare`` options."""
+    from .recipe import NVFP4Recipe
+    from .train import TrainConfig
+
+    recipe = NVFP4Recipe(
+        disable_rht=args.disable_rht,
+        disable_stochastic_rounding=args.disable_stochastic_rounding,
+        disable_2d_quantization=args.disable_2d_quantization,
+        bf16_first_layers=args.bf16_first_layers,
+        bf16_last_layers=args.bf16_last_layers,
+        quantize_lm_head=args.quantize_lm_head,
+    )
+    return TrainConfig(
+        precision=precision or getattr(args, "precision", "nvfp4"),
+        preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
+        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, lr=args.lr,
+        warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, text=args.text, seed=args.seed,
+        recipe=recipe, cooldown_frac=args.cooldown_frac, eval_interval=args.eval_interval,
+        eval_batches=args.eval_batches, log_interval=args.log_interval,
+        checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
+        device=args.device, threads=args.threads, progress=args.progress, plot=args.plot,
+        out=getattr(args, "out", None), resume=getattr(args, "resume", None),
+        name=getattr(args, "name", None),
+    )
+
+
+def _print_run(r) -> None:
+    loss = f"{r.final_val_loss:.4f}" if r.final_val_loss is not None else "n/a"
+    print(f"{r.name}: {r.status}, {r.steps_completed} steps, final val loss {loss} nats/byte, "
+          f"{r.tokens_per_s:,.0f} tokens/s, {r.wall_time_s:.1f} s")
+    print(f"  layers: {r.layers}")
+    print(f"  results:    {r.out_dir}/run.json")
+    print(f"  metrics:    {r.metrics_path}")
+    if r.plot_path:
+        print(f"  plot:       {r.plot_path}")
+    if r.checkpoint_path:
+        print(f"  checkpoint: {r.checkpoint_path}")
+
+
+def _cmd_train(args: argparse.Namespace) -> int:
+    from .train import NonFiniteError, train
+
+    try:
+        cfg = config_from_args(args)
+        cfg.resolved()
+    except ValueError as exc:
+        print(f"nvfp4lab train: error: {exc}", file=sys.stderr)
+        return 2
+    try:
+        result = train(cfg)
+    except NonFiniteError as exc:
+        print(f"nvfp4lab train: {exc}", file=sys.stderr)
+        return 3
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"nvfp4lab train: error: {exc}", file=sys.stderr)
+        return 2
+    _print_run(result)
+    return 0
+
+
+def _cmd_compare(args: argparse.Namespace) -> int:
+    from .train import VARIANTS, compare
+
+    variants = [v.strip() for v in args.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown or not variants:
+        print(f"nvfp4lab compare: error: unknown variant(s) {unknown}; choose from "
+              f"{', '.join(VARIANTS)}", file=sys.stderr)
+        return 2
+    try:
+        cfg = config_from_args(args, precision="bf16")
+        cfg.resolved()
+        result = compare(cfg, variants, out=args.out, baseline=args.baseline)
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"nvfp4lab compare: error: {exc}", file=sys.stderr)
+        return 2
+    print(result.table())
+    print(f"table: {result.table_path}\njson:  {result.json_path}\nplot:  {result.plot_path}")
+    return 0
+
+
+@register_subcommand("train")
+def _register_train(subparsers) -> None:
+    p = subparsers.add_parser("train", help="train the small GPT in one precision",
+                              description="Train the small GPT on byte-level text in one precision.")
+    p.add_argument("--precision", choices=("bf16", "fp32", "fp8", "nvfp4"), default="nvfp4",
+                   help="bf16: autocast mixed precision; fp8: emulated TE Float8CurrentScaling; "
+                        "nvfp4: emulated TE NVFP4BlockScaling (default)")
+    p.add_argument("--out", metavar="DIR", help="run folder (default runs/<name>)")
+    p.add_argument("--name", help="run name (default: the precision)")
+    p.add_argument("--resume", metavar="CKPT", help="checkpoint file or run folder to continue from")
+    _add_common_options(p)
+    p.set_defaults(func=_cmd_train)
+
+
+@register_subcommand("compare")
+def _register_compare(subparsers) -> None:
+    from .train import VARIANTS
+
+    p = subparsers.add_parser("compare", help="train several precisions / ablations and tabulate",
+                              description="Train one configuration per variant; write a table and a plot. "
+                                          f"Variants: {', '.join(VARIANTS)}.")
+    p.add_argument("--variants", default="bf16,fp8,nvfp4",
+                   help="comma-separated variant names (default bf16,fp8,nvfp4)")
+    p.add_argument("--baseline", default="bf16", help="variant the relative gaps refer to")
+    p.add_argument("--out", metavar="DIR", default="runs/compare", help="output folder (default runs/compare)")
+    _add_common_options(p)
+    p.set_defaults(func=_cmd_compare)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The top-level parser with every registered subcommand."""
+    parser = argparse.ArgumentParser(
+        prog="nvfp4lab", description="NVFP4 training from first principles (emulated, bit-exact with TE 2.20).")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    sub.required = True
+    for name, registrar in list(SUBCOMMANDS.items()):
+        fn = _resolve(name, registrar)
+        if fn is not None:
+            fn(sub)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point (``nvfp4lab`` / ``python -m nvfp4lab``); returns the exit code."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    return int(args.func(args) or 0)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

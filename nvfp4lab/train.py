@@ -1,0 +1,833 @@
+"""Train the small GPT in BF16, FP32, FP8 or NVFP4 (emulated) and compare precisions.
+
+``train(TrainConfig(...)) -> RunResult`` runs one training; ``compare(config, variants)`` runs
+several precisions / recipe ablations on one configuration and writes one table and one plot.
+
+What each precision means here (all on any device; nothing needs a GPU):
+
+* ``fp32``: everything in FP32 (a reference, not a recipe anyone trains LLMs with).
+* ``bf16``: ``torch.autocast(dtype=torch.bfloat16)`` mixed precision, the standard "BF16
+  training": GEMMs (linear layers, the attention core) take BF16 operands with FP32
+  accumulation; master weights, gradients, AdamW state, LayerNorm and the loss stay FP32. This
+  is what the paper's BF16 baseline means, and it is honest on a CPU: torch's CPU autocast runs
+  real BF16 kernels.
+* ``fp8``: the BF16 run with every linear layer inside the transformer blocks swapped for the
+  emulated ``Float8CurrentScaling`` :class:`~nvfp4lab.fp8.FP8Linear`.
+* ``nvfp4``: the BF16 run with the recipe's linear layers swapped for
+  :class:`~nvfp4lab.linear.NVFP4Linear` (default: all blocks but the first and last; the head,
+  embeddings, norms and attention core in BF16/FP32). ``cooldown_frac`` switches those layers
+  back to BF16 for the last fraction of the steps (paper, appendix).
+
+Training loop: AdamW (decoupled weight decay on matrices only), linear warmup then cosine decay
+to ``min_lr_frac * lr``, gradient-norm clipping, periodic validation on a fixed set of windows,
+tokens/s and peak memory (CUDA: ``max_memory_allocated``; CPU: peak resident set size of the
+process sampled every step), metrics as JSONL, a loss-curve PNG, and a tqdm progress bar that
+is silent when stderr is not a terminal.
+
+Safety: a non-finite loss or gradient norm raises :class:`NonFiniteError` naming the step (the
+last checkpoint, written before, is kept), or with ``on_nonfinite="skip"`` the update is skipped
+and counted. Checkpoints hold only precision-agnostic FP32 state (model, AdamW, step, the
+torch / data / SR generator states, the config as plain data), are written atomically
+(temporary file + ``os.replace``) and load with ``torch.load(weights_only=True)``. Resuming on
+CPU with the same config continues bit-identically; resuming in another precision works because
+the quantized layers share ``nn.Linear``'s parameters and state-dict keys.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from contextlib import nullcontext
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from .data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
+from .fp8 import FP8Recipe
+from .linear import PRECISIONS, convert_model, layer_precisions, set_quantization_enabled
+from .model import GPT, GPTConfig, get_preset
+from .recipe import NVFP4Recipe
+
+__all__ = [
+    "TrainConfig", "RunResult", "CompareResult", "NonFiniteError", "train", "compare",
+    "TRAIN_PRESETS", "VARIANTS", "save_checkpoint", "load_checkpoint", "lr_at",
+    "environment_info", "plot_metrics", "CHECKPOINT_NAME",
+]
+
+CHECKPOINT_NAME = "checkpoint.pt"
+CHECKPOINT_FORMAT = 1
+
+#: Optimisation defaults per preset (the model shape comes from :data:`nvfp4lab.model.PRESETS`).
+TRAIN_PRESETS: dict[str, dict[str, Any]] = {
+    "ci": dict(batch_size=8, steps=30, lr=3e-3, warmup_steps=5, eval_interval=10, eval_batches=2),
+    "laptop": dict(batch_size=8, steps=400, lr=2e-3, warmup_steps=40, eval_interval=50,
+                   eval_batches=16),
+    "gpt2-small": dict(batch_size=16, steps=5000, lr=6e-4, warmup_steps=200, eval_interval=250,
+                       eval_batches=32),
+}
+
+#: Named variants for :func:`compare` and ``nvfp4lab compare``: overrides of a base config.
+#: ``recipe`` entries are merged into the base config's recipe.
+VARIANTS: dict[str, dict[str, Any]] = {
+    "fp32": {"precision": "fp32"},
+    "bf16": {"precision": "bf16"},
+    "fp8": {"precision": "fp8"},
+    "nvfp4": {"precision": "nvfp4"},
+    "nvfp4-all-layers": {"precision": "nvfp4",
+                         "recipe": {"bf16_first_layers": 0, "bf16_last_layers": 0,
+                                    "quantize_lm_head": True}},
+    "nvfp4-no-rht": {"precision": "nvfp4", "recipe": {"disable_rht": True}},
+    "nvfp4-no-sr": {"precision": "nvfp4", "recipe": {"disable_stochastic_rounding": True}},
+    "nvfp4-no-2d": {"precision": "nvfp4", "recipe": {"disable_2d_quantization": True}},
+    "nvfp4-cooldown": {"precision": "nvfp4", "cooldown_frac": 0.2},
+}
+
+
+class NonFiniteError(RuntimeError):
+    """Raised when the loss or the gradient norm is not finite (``on_nonfinite="stop"``).
+
+    Attributes: ``step`` (0-based optimizer step), ``what`` ("loss" or "gradient norm"),
+    ``checkpoint`` (path of the last good checkpoint, or None), ``result`` (the
+    :class:`RunResult` so far, with ``status="stopped_nonfinite"``).
+    """
+
+    def __init__(self, message: str, *, step: int, what: str, checkpoint: str | None,
+                 result: "RunResult | None" = None) -> None:
+        super().__init__(message)
+        self.step, self.what, self.checkpoint, self.result = step, what, checkpoint, result
+
+
+# ----------------------------------------------------------------------------- config
+@dataclass
+class TrainConfig:
+    """Everything that defines a training run. ``None`` fields take the preset's value.
+
+    Model: ``preset`` ("ci", "laptop", "gpt2-small") plus optional overrides ``n_layer``,
+    ``n_head``, ``n_embd``, ``seq_len`` (= block size), ``tie_weights``.
+    Optimisation: ``batch_size`` (sequences), ``steps``, ``lr`` (peak), ``min_lr_frac``,
+    ``warmup_steps``, ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (<= 0: off).
+    Precision: ``precision`` in :data:`~nvfp4lab.linear.PRECISIONS`, ``recipe``
+    (:class:`NVFP4Recipe`), ``fp8_recipe``, ``cooldown_frac`` in [0, 1) (nvfp4/fp8 only).
+    Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
+    ``chunk_bytes`` (the split).
+    Bookkeeping: ``eval_interval``, ``eval_batches``, ``log_interval``, ``checkpoint_interval``
+    (default: ``eval_interval``; 0 = only at the end), ``out`` (run folder), ``name``,
+    ``seed``, ``resume`` (checkpoint file or run folder), ``on_nonfinite`` ("stop"/"skip"),
+    ``device``, ``threads``, ``progress`` (None = only on a terminal), ``plot``.
+
+    :meth:`resolved` fills the preset values and validates (``ValueError`` naming the field).
+    """
+
+    precision: str = "nvfp4"
+    preset: str = "ci"
+    n_layer: int | None = None
+    n_head: int | None = None
+    n_embd: int | None = None
+    seq_len: int | None = None
+    tie_weights: bool | None = None
+    batch_size: int | None = None
+    steps: int | None = None
+    lr: float | None = None
+    min_lr_frac: float = 0.1
+    warmup_steps: int | None = None
+    weight_decay: float = 0.1
+    beta1: float = 0.9
+    beta2: float = 0.95
+    grad_clip: float = 1.0
+    recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
+    fp8_recipe: FP8Recipe = field(default_factory=FP8Recipe)
+    cooldown_frac: float = 0.0
+    text: str | None = None
+    val_every: int = 10
+    chunk_bytes: int = 4096
+    eval_interval: int | None = None
+    eval_batches: int | None = None
+    log_interval: int = 10
+    checkpoint_interval: int | None = None
+    out: str | None = None
+    name: str | None = None
+    seed: int = 0
+    resume: str | None = None
+    on_nonfinite: str = "stop"
+    device: str = "cpu"
+    threads: int | None = None
+    progress: bool | None = None
+    plot: bool = True
+
+    # -- resolution and validation
+    def resolved(self) -> "TrainConfig":
+        """A copy with every preset default filled in, validated."""
+        if self.preset not in TRAIN_PRESETS:
+            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
+        c = dataclasses.replace(self)
+        c.recipe = NVFP4Recipe.from_dict(self.recipe)
+        c.fp8_recipe = FP8Recipe.from_dict(self.fp8_recipe)
+        for k, v in TRAIN_PRESETS[self.preset].items():
+            if getattr(c, k) is None:
+                setattr(c, k, v)
+        mp = get_preset(self.preset)
+        c.n_layer = mp.n_layer if c.n_layer is None else c.n_layer
+        c.n_head = mp.n_head if c.n_head is None else c.n_head
+        c.n_embd = mp.n_embd if c.n_embd is None else c.n_embd
+        c.seq_len = mp.block_size if c.seq_len is None else c.seq_len
+        c.tie_weights = mp.tie_weights if c.tie_weights is None else c.tie_weights
+        if c.checkpoint_interval is None:
+            c.checkpoint_interval = c.eval_interval
+        if c.name is None:
+            c.name = c.precision
+        c._validate()
+        return c
+
+    def _validate(self) -> None:
+        if self.precision not in PRECISIONS:
+            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        for k in ("batch_size", "steps", "eval_interval", "eval_batches", "log_interval", "seq_len"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"TrainConfig.{k} must be a positive int, got {v!r}")
+        for k in ("warmup_steps", "checkpoint_interval", "seed"):
+            v = getattr(self, k)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig.{k} must be an int >= 0, got {v!r}")
+        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if not 0.0 <= self.min_lr_frac <= 1.0:
+            raise ValueError(f"TrainConfig.min_lr_frac must be in [0, 1], got {self.min_lr_frac}")
+        if not 0.0 <= self.cooldown_frac < 1.0:
+            raise ValueError(f"TrainConfig.cooldown_frac must be in [0, 1), got {self.cooldown_frac}")
+        if self.cooldown_frac > 0 and self.precision not in ("nvfp4", "fp8"):
+            raise ValueError(f"cooldown_frac={self.cooldown_frac} only makes sense for precision "
+                             f"nvfp4 or fp8 (it switches them to BF16), not {self.precision!r}")
+        if self.on_nonfinite not in ("stop", "skip"):
+            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        if self.weight_decay < 0:
+            raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
+        if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
+            raise ValueError(f"TrainConfig.threads must be a positive int, got {self.threads!r}")
+        if self.val_every < 2 or self.chunk_bytes <= 0:
+            raise ValueError("TrainConfig needs val_every >= 2 and chunk_bytes > 0")
+        self.model_config()  # shape checks
+
+    def model_config(self) -> GPTConfig:
+        base = get_preset(self.preset)
+        return dataclasses.replace(
+            base,
+            n_layer=self.n_layer if self.n_layer is not None else base.n_layer,
+            n_head=self.n_head if self.n_head is not None else base.n_head,
+            n_embd=self.n_embd if self.n_embd is not None else base.n_embd,
+            block_size=self.seq_len if self.seq_len is not None else base.block_size,
+            tie_weights=self.tie_weights if self.tie_weights is not None else base.tie_weights,
+        )
+
+    # -- plain-data form (JSON, checkpoints)
+    def to_dict(self) -> dict[str, Any]:
+        d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["recipe"] = NVFP4Recipe.from_dict(self.recipe).to_dict()
+        d["fp8_recipe"] = FP8Recipe.from_dict(self.fp8_recipe).to_dict()
+        return d
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "TrainConfig":
+        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown TrainConfig field(s): {sorted(unknown)}")
+        d = dict(data)
+        if "recipe" in d:
+            d["recipe"] = NVFP4Recipe.from_dict(d["recipe"])
+        if "fp8_recipe" in d:
+            d["fp8_recipe"] = FP8Recipe.from_dict(d["fp8_recipe"])
+        return cls(**d)
+
+    def with_variant(self, variant: str | Mapping[str, Any], name: str | None = None) -> "TrainConfig":
+        """A copy with a named :data:`VARIANTS` entry (or an override mapping) applied."""
+        if isinstance(variant, str):
+            if variant not in VARIANTS:
+                raise ValueError(f"unknown variant {variant!r}; choose from {sorted(VARIANTS)}")
+            name = name or variant
+            variant = VARIANTS[variant]
+        overrides = dict(variant)
+        recipe_over = overrides.pop("recipe", None)
+        c = dataclasses.replace(self, **overrides)
+        if recipe_over:
+            c.recipe = NVFP4Recipe.from_dict(self.recipe).replace(**recipe_over)
+        c.name = name or c.name
+        return c
+
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class RunResult:
+    """Outcome of :func:`train` (also written to ``<out>/run.json``).
+
+    status : "completed" or "stopped_nonfinite". Losses are mean cross-entropy in nats per
+    byte. ``val_curve`` is a list of ``[step, val_loss]``. ``tokens_per_s`` counts training
+    tokens over training time (validation excluded). ``peak_memory_bytes`` is described by
+    ``peak_memory_kind``.
+    """
+
+    name: str
+    precision: str
+    status: str
+    message: str
+    steps_completed: int
+    final_val_loss: float | None
+    best_val_loss: float | None
+    final_train_loss: float | None
+    val_curve: list[list[float]]
+    tokens_per_s: float
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    wall_time_s: float
+    skipped_steps: int
+    out_dir: str
+    metrics_path: str
+    plot_path: str | None
+    checkpoint_path: str | None
+    config: dict[str, Any]
+    data: dict[str, Any]
+    environment: dict[str, Any]
+    layers: dict[str, int]
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CompareResult:
+    """Outcome of :func:`compare`: one :class:`RunResult` per variant, and the files written."""
+
+    runs: dict[str, RunResult]
+    table_path: str
+    json_path: str
+    plot_path: str | None
+    baseline: str | None
+
+    def table(self) -> str:
+        return format_table(self.runs, self.baseline)
+
+
+# ----------------------------------------------------------------------------- helpers
+def lr_at(step: int, *, lr: float, steps: int, warmup_steps: int, min_lr_frac: float) -> float:
+    """Learning rate at 0-based ``step``: linear warmup to ``lr`` over ``warmup_steps`` steps,
+    then cosine decay to ``min_lr_frac * lr`` at the last step."""
+    if warmup_steps > 0 and step < warmup_steps:
+        return lr * (step + 1) / warmup_steps
+    min_lr = lr * min_lr_frac
+    span = max(1, steps - 1 - warmup_steps)
+    progress = min(1.0, (step - warmup_steps) / span)
+    return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
+
+
+def environment_info(device: torch.device | str = "cpu") -> dict[str, Any]:
+    """Versions and hardware: python, torch, numpy, nvfp4lab, platform, device name, threads, date."""
+    device = torch.device(device)
+    info: dict[str, Any] = {
+        "python": sys.version.split()[0],
+        "torch": str(torch.__version__),
+        "platform": platform.platform(),
+        "device": str(device),
+        "threads": torch.get_num_threads(),
+        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
+    try:
+        import numpy
+
+        info["numpy"] = numpy.__version__
+    except ImportError:  # pragma: no cover
+        pass
+    try:
+        from . import __version__
+
+        info["nvfp4lab"] = __version__
+    except ImportError:  # pragma: no cover
+        pass
+    if device.type == "cuda":
+        info["device_name"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    else:
+        name = platform.processor()
+        try:
+            with open("/proc/cpuinfo") as f:
+                for line in f:
+                    if line.startswith("model name"):
+                        name = line.split(":", 1)[1].strip()
+                        break
+        except OSError:
+            pass
+        info["device_name"] = name
+        info["cpu_count"] = os.cpu_count()
+    return info
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # non-Linux: process-lifetime peak
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
+    """Write ``state`` with ``torch.save`` atomically: a temporary file in the same folder,
+    flushed and fsynced, then ``os.replace``d over ``path`` (readers never see a partial file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            torch.save(dict(state), f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
+        raise
+
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint (file, or run folder holding ``checkpoint.pt``) with ``weights_only=True``.
+
+    Raises ``FileNotFoundError`` if missing and ``ValueError`` if it is not an nvfp4lab
+    checkpoint of a known format.
+    """
+    p = Path(path)
+    if p.is_dir():
+        p = p / CHECKPOINT_NAME
+    if not p.exists():
+        raise FileNotFoundError(f"no checkpoint at {p}")
+    ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise ValueError(f"{p} is not an nvfp4lab checkpoint (format {CHECKPOINT_FORMAT})")
+    return ckpt
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    seen: set[int] = set()
+    decay, no_decay = [], []
+    for _, p in model.named_parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay},
+            {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _autocast(precision: str, device: torch.device):
+    if precision == "fp32":
+        return nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, batches, precision: str, device: torch.device) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with _autocast(precision, device):
+            _, loss = model(x.to(device), y.to(device))
+        total += float(loss)
+    model.train(was_training)
+    return total / len(batches)
+
+
+_MODEL_KEYS = ("preset", "n_layer", "n_head", "n_embd", "seq_len", "tie_weights")
+_DATA_KEYS = ("text", "val_every", "chunk_bytes")
+
+
+def _check_resume_compatible(saved: Mapping[str, Any], cfg: "TrainConfig", data_info: Mapping[str, Any]) -> None:
+    saved_cfg = saved["config"]
+    for k in _MODEL_KEYS:
+        if saved_cfg.get(k) != getattr(cfg, k):
+            raise ValueError(f"cannot resume: checkpoint has {k}={saved_cfg.get(k)!r}, this run "
+                             f"has {k}={getattr(cfg, k)!r} (the model shape must match)")
+    sd = saved.get("data", {})
+    if sd.get("corpus", {}).get("sha256") != data_info["corpus"]["sha256"]:
+        raise ValueError("cannot resume: the corpus differs from the checkpoint's "
+                         f"(sha256 {sd.get('corpus', {}).get('sha256')} vs {data_info['corpus']['sha256']})")
+    for k in ("val_every", "chunk_bytes"):
+        if saved_cfg.get(k) != getattr(cfg, k):
+            raise ValueError(f"cannot resume: checkpoint has {k}={saved_cfg.get(k)!r}, this run {getattr(cfg, k)!r}")
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> str:
+    """Draw train loss (and its moving average) and validation loss against step into a PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    recs = _read_jsonl(Path(metrics_path))
+    tr = [(r["step"], r["loss"]) for r in recs if r.get("type") == "train" and r.get("loss") is not None
+          and math.isfinite(r["loss"])]
+    ev = [(r["step"], r["val_loss"]) for r in recs if r.get("type") == "eval"]
+    events = [r for r in recs if r.get("type") == "event"]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    if tr:
+        s, l = zip(*tr)
+        ax.plot(s, l, color="0.75", lw=0.8, label="train (per log step)")
+    if ev:
+        s, l = zip(*ev)
+        ax.plot(s, l, "o-", color="C0", ms=3, label="validation")
+    for e in events:
+        ax.axvline(e["step"], color="C3", ls="--", lw=0.8)
+        ax.text(e["step"], ax.get_ylim()[1], " " + e.get("event", ""), color="C3", va="top", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return str(png_path)
+
+
+# ----------------------------------------------------------------------------- train
+def train(config: TrainConfig) -> RunResult:
+    """Train one model as described by ``config``; see the module docstring.
+
+    Writes into ``config.out`` (default ``runs/<name>``): ``metrics.jsonl`` (one JSON object per
+    line: ``type`` "train" / "eval" / "event"), ``run.json`` (the :class:`RunResult`),
+    ``loss.png`` and ``checkpoint.pt``.
+
+    Raises ``ValueError`` for an invalid config or an incompatible ``resume`` checkpoint,
+    ``NonFiniteError`` when the loss or gradient goes non-finite with ``on_nonfinite="stop"``.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = config.resolved()
+    t_start = time.perf_counter()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+
+    # data (pure function of the bytes)
+    corpus = load_corpus(cfg.text)
+    tokenizer = ByteTokenizer()
+    split = split_tokens(tokenizer.encode(corpus.text), chunk_bytes=cfg.chunk_bytes, val_every=cfg.val_every)
+    data_info = {"corpus": corpus.describe(), "tokenizer": tokenizer.describe(), "split": split.describe()}
+    val_batches = validation_batches(split.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+
+    # model and precision; all randomness derives from the seed
+    torch.manual_seed(cfg.seed)
+    model = GPT(cfg.model_config()).to(device)
+    sr_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003)
+    data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
+    convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
+    precisions = layer_precisions(model)
+    layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
+    optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                  betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+
+    out = Path(cfg.out if cfg.out else Path("runs") / cfg.name)
+    start_step, best_val, skipped = 0, None, 0
+    val_curve: list[list[float]] = []
+    ckpt_path = out / CHECKPOINT_NAME
+    if cfg.resume:
+        saved = load_checkpoint(cfg.resume)
+        _check_resume_compatible(saved, cfg, data_info)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        start_step = int(saved["step"])
+        rng = saved["rng"]
+        torch.set_rng_state(rng["torch"])
+        data_gen.set_state(rng["data"])
+        if rng.get("sr") is not None and device.type == "cpu":
+            sr_gen.set_state(rng["sr"])
+        best_val = saved.get("best_val_loss")
+        skipped = int(saved.get("skipped_steps", 0))
+        val_curve = [list(v) for v in saved.get("val_curve", [])]
+        if start_step > cfg.steps:
+            raise ValueError(f"checkpoint is at step {start_step}, beyond steps={cfg.steps}")
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    # On resume, keep the history up to the checkpoint and drop what came after it.
+    kept = [r for r in _read_jsonl(metrics_path) if r.get("step", 0) <= start_step and
+            not (r.get("type") == "train" and r.get("step", 0) >= start_step)] if cfg.resume else []
+    with open(metrics_path, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    metrics = open(metrics_path, "a")
+
+    def log(rec: dict[str, Any]) -> None:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+
+    cooldown_start = cfg.steps - int(round(cfg.cooldown_frac * cfg.steps)) if cfg.cooldown_frac > 0 else None
+    last_ckpt: str | None = None
+    if cfg.resume:
+        rp = Path(cfg.resume)
+        last_ckpt = str(rp / CHECKPOINT_NAME if rp.is_dir() else rp)
+
+    def make_state(step: int) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+            "optimizer": optimizer.state_dict(),
+            "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
+                    "sr": sr_gen.get_state() if device.type == "cpu" else None},
+            "config": cfg.to_dict(),
+            "data": data_info,
+            "best_val_loss": best_val,
+            "skipped_steps": skipped,
+            "val_curve": val_curve,
+            "torch_version": str(torch.__version__),
+        }
+
+    def checkpoint(step: int) -> None:
+        nonlocal last_ckpt
+        save_checkpoint(ckpt_path, make_state(step))
+        last_ckpt = str(ckpt_path)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peak_rss = _rss_bytes()
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    train_time = 0.0
+    steps_timed = 0
+    last_loss: float | None = None
+    status, message = "completed", ""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if start_step == 0:
+        log({"type": "event", "event": "start", "step": 0, "precision": cfg.precision,
+             "layers": layers, "params": model.num_parameters()})
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.name, unit="step", dynamic_ncols=True,
+               disable=None if cfg.progress is None else not cfg.progress, file=sys.stderr)
+    model.train()
+    cooled = False
+    try:
+        for step in range(start_step, cfg.steps):
+            if cooldown_start is not None and step >= cooldown_start and not cooled:
+                set_quantization_enabled(model, False)
+                cooled = True
+                if step == cooldown_start:
+                    log({"type": "event", "event": "bf16 cooldown", "step": step})
+            active = "bf16" if cooled else cfg.precision
+            lr = lr_at(step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+                       min_lr_frac=cfg.min_lr_frac)
+            for g in optimizer.param_groups:
+                g["lr"] = lr
+            t0 = time.perf_counter()
+            x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen)
+            x, y = x.to(device), y.to(device)
+            optimizer.zero_grad(set_to_none=True)
+            with _autocast(cfg.precision, device):
+                _, loss = model(x, y)
+            loss_val = float(loss.detach())
+            bad = None
+            if not math.isfinite(loss_val):
+                bad = "loss"
+                grad_norm = float("nan")
+            else:
+                loss.backward()
+                if cfg.grad_clip > 0:
+                    gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
+                else:
+                    gn = torch.linalg.vector_norm(
+                        torch.stack([p.grad.detach().float().norm() for p in params if p.grad is not None]))
+                grad_norm = float(gn)
+                if not math.isfinite(grad_norm):
+                    bad = "gradient norm"
+            if bad is not None:
+                value = loss_val if bad == "loss" else grad_norm
+                log({"type": "nonfinite", "step": step, "what": bad, "value": str(value)})
+                if cfg.on_nonfinite == "skip":
+                    skipped += 1
+                    optimizer.zero_grad(set_to_none=True)
+                    bar.update(1)
+                    continue
+                status = "stopped_nonfinite"
+                message = (f"non-finite {bad} ({value}) at step {step} ({cfg.name}, precision "
+                           f"{active}); training stopped. Last good checkpoint: "
+                           f"{last_ckpt or 'none written yet'}. Use on_nonfinite='skip' "
+                           f"(--on-nonfinite skip) to skip such steps instead.")
+                raise NonFiniteError(message, step=step, what=bad, checkpoint=last_ckpt)
+            optimizer.step()
+            dt = time.perf_counter() - t0
+            train_time += dt
+            steps_timed += 1
+            last_loss = loss_val
+            peak_rss = max(peak_rss, _rss_bytes())
+            done = step + 1
+            if step % cfg.log_interval == 0 or done == cfg.steps:
+                log({"type": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
+                     "tokens_per_s": tokens_per_step / dt if dt > 0 else None, "precision": active})
+            if done % cfg.eval_interval == 0 or done == cfg.steps:
+                v = _evaluate(model, val_batches, cfg.precision, device)
+                val_curve.append([done, v])
+                best_val = v if best_val is None else min(best_val, v)
+                log({"type": "eval", "step": done, "val_loss": v, "precision": active})
+                bar.set_postfix(loss=f"{loss_val:.3f}", val=f"{v:.3f}")
+            if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
+                checkpoint(done)
+            bar.update(1)
+    except NonFiniteError as exc:
+        result = _result(cfg, status, message, step, val_curve, best_val, last_loss, tokens_per_step,
+                         steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
+                         None, last_ckpt, data_info, layers)
+        exc.result = result
+        metrics.close()
+        bar.close()
+        _write_json(out / "run.json", result.to_dict())
+        raise
+    bar.close()
+    metrics.close()
+    plot_path = None
+    if cfg.plot:
+        plot_path = plot_metrics(metrics_path, out / "loss.png",
+                                 title=f"{cfg.name}: {cfg.precision}, preset {cfg.preset}")
+    result = _result(cfg, status, message, cfg.steps, val_curve, best_val, last_loss, tokens_per_step,
+                     steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
+                     plot_path, last_ckpt, data_info, layers)
+    _write_json(out / "run.json", result.to_dict())
+    return result
+
+
+def _result(cfg, status, message, steps_completed, val_curve, best_val, last_loss, tokens_per_step,
+            steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
+            plot_path, ckpt, data_info, layers) -> RunResult:
+    if device.type == "cuda":
+        peak, kind = int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+    else:
+        peak, kind = int(peak_rss), "cpu peak resident set size of the process"
+    return RunResult(
+        name=cfg.name, precision=cfg.precision, status=status, message=message,
+        steps_completed=int(steps_completed),
+        final_val_loss=val_curve[-1][1] if val_curve else None, best_val_loss=best_val,
+        final_train_loss=last_loss, val_curve=val_curve,
+        tokens_per_s=tokens_per_step * steps_timed / train_time if train_time > 0 else 0.0,
+        peak_memory_bytes=peak, peak_memory_kind=kind,
+        wall_time_s=time.perf_counter() - t_start, skipped_steps=skipped, out_dir=str(out),
+        metrics_path=str(metrics_path), plot_path=plot_path, checkpoint_path=ckpt,
+        config=cfg.to_dict(), data=data_info, environment=environment_info(device), layers=layers)
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- compare
+def format_table(runs: Mapping[str, RunResult], baseline: str | None = "bf16") -> str:
+    """Markdown table: variant, precision, final validation loss, relative gap to ``baseline``."""
+    base = runs.get(baseline) if baseline else None
+    base_loss = base.final_val_loss if base is not None and base.status == "completed" else None
+    lines = ["| variant | precision | final val loss | vs " + (baseline or "-") +
+             " | status | tokens/s | wall time (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        loss = f"{r.final_val_loss:.4f}" if r.final_val_loss is not None else "-"
+        if base_loss and r.final_val_loss is not None and r.status == "completed":
+            gap = f"{100.0 * (r.final_val_loss - base_loss) / base_loss:+.2f}%"
+        else:
+            gap = "-"
+        status = r.status if r.status == "completed" else f"{r.status} at step {r.steps_completed}"
+        lines.append(f"| {name} | {r.precision} | {loss} | {gap} | {status} | "
+                     f"{r.tokens_per_s:,.0f} | {r.wall_time_s:.0f} |")
+    return "\n".join(lines)
+
+
+def plot_compare(runs: Mapping[str, RunResult], png_path: str | os.PathLike, title: str = "") -> str:
+    """Validation-loss curves of several runs in one PNG."""
+    import matplotlib
+
+    matplotlib.use("Agg", force=False)
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    for i, (name, r) in enumerate(runs.items()):
+        if not r.val_curve:
+            continue
+        s, l = zip(*r.val_curve)
+        ax.plot(s, l, "-", color=f"C{i % 10}", lw=1.2, label=name)
+        half = len(s) // 2
+        ax2.plot(s[half:], l[half:], "o-", color=f"C{i % 10}", ms=3, lw=1.2, label=name)
+    ax.set_title(title or "validation loss")
+    ax2.set_title("second half (zoom)")
+    for a in (ax, ax2):
+        a.set_xlabel("step")
+        a.set_ylabel("validation loss (nats / byte)")
+        a.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    plt.close(fig)
+    return str(png_path)
+
+
+def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str, Any]]] = (
+        "bf16", "fp8", "nvfp4"), *, out: str | os.PathLike | None = None,
+        baseline: str | None = "bf16") -> CompareResult:
+    """Train ``config`` once per variant and write ``compare.md``, ``compare.json``, ``compare.png``.
+
+    ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
+    ``<out>/<name>/``. A run that stops on a non-finite loss is recorded (status
+    ``stopped_nonfinite``) and the comparison goes on. ``baseline`` names the variant the
+    relative gaps are computed against (None: no gaps).
+    Raises ``ValueError`` for an unknown or duplicate variant name.
+    """
+    base = config
+    out_dir = Path(out if out is not None else (config.out or "runs/compare"))
+    named: list[tuple[str, TrainConfig]] = []
+    for v in variants:
+        if isinstance(v, str):
+            name, c = v, base.with_variant(v)
+        else:
+            name, over = v
+            c = base.with_variant(over, name=name)
+        named.append((name, c))
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate variant names in {names}")
+    runs: dict[str, RunResult] = {}
+    for name, c in named:
+        c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
+        try:
+            runs[name] = train(c)
+        except NonFiniteError as exc:
+            print(f"[compare] {exc}", file=sys.stderr)
+            assert exc.result is not None
+            runs[name] = exc.result
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = format_table(runs, baseline if baseline in runs else None)
+    table_path = out_dir / "compare.md"
+    table_path.write_text(table + "\n")
+    json_path = out_dir / "compare.json"
+    _write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
+    plot_path = plot_compare(runs, out_dir / "compare.png",
+                             title=f"validation loss, preset {base.preset}")
+    return CompareResult(runs, str(table_path), str(json_path), plot_path,
+                         baseline if baseline in runs else None)
