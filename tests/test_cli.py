@@ -1,0 +1,102 @@
+"""The ``nvfp4lab`` command line: subcommand registry, train, compare, errors and exit codes."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from nvfp4lab import cli
+from nvfp4lab.model import GPT
+
+REPO = Path(__file__).resolve().parents[1]
+TINY = ["--preset", "ci", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
+        "--batch-size", "4", "--warmup-steps", "1", "--eval-batches", "1", "--no-progress", "--no-plot"]
+
+
+def test_registry_and_help(capsys):
+    assert {"train", "compare", "probe"} <= set(cli.SUBCOMMANDS)
+    parser = cli.build_parser()
+    with pytest.raises(SystemExit) as e:
+        parser.parse_args(["--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert "train" in out and "compare" in out
+
+
+def test_register_a_new_subcommand(capsys, monkeypatch):
+    monkeypatch.setattr(cli, "SUBCOMMANDS", dict(cli.SUBCOMMANDS))
+
+    @cli.register_subcommand("hello")
+    def _reg(sub):
+        p = sub.add_parser("hello")
+        p.set_defaults(func=lambda args: print("hi") or 0)
+
+    assert cli.main(["hello"]) == 0 and capsys.readouterr().out == "hi\n"
+    cli.SUBCOMMANDS["broken"] = "nvfp4lab.no_such_module:register"
+    assert cli.main(["hello"]) == 0                       # a broken lazy registrar only warns
+    assert "subcommand 'broken' unavailable" in capsys.readouterr().err
+
+
+def test_train_command(tmp_path, capsys):
+    out = tmp_path / "run"
+    rc = cli.main(["train", "--precision", "nvfp4", *TINY, "--steps", "3", "--eval-interval", "3",
+                   "--disable-rht", "--bf16-first-layers", "0", "--out", str(out)])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "final val loss" in text and str(out / "run.json") in text and str(out / "metrics.jsonl") in text
+    run = json.loads((out / "run.json").read_text())
+    assert run["config"]["recipe"]["disable_rht"] is True and run["config"]["recipe"]["bf16_first_layers"] == 0
+    assert run["layers"]["nvfp4"] == 8                     # blocks 0 and 1 of 3, four linears each
+    # continue the same run for two more steps
+    rc = cli.main(["train", "--precision", "fp8", *TINY, "--steps", "5", "--eval-interval", "5",
+                   "--out", str(out), "--resume", str(out)])
+    assert rc == 0 and json.loads((out / "run.json").read_text())["steps_completed"] == 5
+
+
+def test_argument_and_config_errors(tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--precision", "fp16"])
+    assert e.value.code == 2
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--cooldown-frac", "1.5"])
+    assert e.value.code == 2
+    assert cli.main(["train", "--precision", "bf16", "--cooldown-frac", "0.2", *TINY]) == 2
+    assert "cooldown_frac" in capsys.readouterr().err
+    assert cli.main(["train", *TINY, "--text", str(tmp_path / "missing.txt"), "--out", str(tmp_path / "x")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    assert cli.main(["compare", "--variants", "bf16,nvfp5", *TINY]) == 2
+    assert "nvfp5" in capsys.readouterr().err
+
+
+def test_nonfinite_exit_code(tmp_path, capsys, monkeypatch):
+    orig = GPT.forward
+
+    def nan_forward(self, idx, targets=None):
+        logits, loss = orig(self, idx, targets)
+        return logits, (loss * float("nan") if loss is not None else None)
+
+    monkeypatch.setattr(GPT, "forward", nan_forward)
+    rc = cli.main(["train", "--precision", "bf16", *TINY, "--steps", "2", "--out", str(tmp_path / "n")])
+    assert rc == 3
+    assert "non-finite loss (nan) at step 0" in capsys.readouterr().err
+
+
+def test_compare_command(tmp_path, capsys):
+    rc = cli.main(["compare", "--variants", "bf16,fp8", *TINY, "--steps", "2", "--eval-interval", "2",
+                   "--out", str(tmp_path / "cmp")])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "| fp8 | fp8 |" in out and "compare.png" in out
+    assert (tmp_path / "cmp" / "compare.md").exists() and (tmp_path / "cmp" / "fp8" / "run.json").exists()
+
+
+def test_python_dash_m(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(REPO)}
+    p = subprocess.run([sys.executable, "-m", "nvfp4lab", "train", "--help"], capture_output=True,
+                       text=True, env=env, cwd=tmp_path, timeout=120)
+    assert p.returncode == 0 and "--precision" in p.stdout and "--cooldown-frac" in p.stdout
