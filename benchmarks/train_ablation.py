@@ -99,6 +99,20 @@ def _plot(runs: dict, baseline: str, png: Path, title: str) -> None:
     plt.close(fig)
 
 
+def _git_commit() -> str | None:
+    import subprocess
+
+    try:
+        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
+        used = [f"nvfp4lab/{m}.py" for m in ("formats", "quantize", "hadamard", "rounding", "recipe",
+                                             "linear", "fp8", "model", "data", "train")]
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", *used], cwd=REPO,
+                               capture_output=True, text=True, timeout=10).stdout.strip()
+        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -193,6 +207,7 @@ def main(argv=None) -> int:
         "data": first["data"],
         "environment": env,
         "versions": {k: env.get(k) for k in ("python", "torch", "numpy", "nvfp4lab")},
+        "git_commit": _git_commit(),
         "device": env.get("device_name"),
         "baseline": baseline,
         "target": {"rel_gap_vs_bf16_max": TARGET_REL_GAP, "nvfp4_rel_gap": nvfp4_gap,

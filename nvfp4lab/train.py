@@ -561,7 +561,9 @@ def train(config: TrainConfig) -> RunResult:
         rng = saved["rng"]
         torch.set_rng_state(rng["torch"])
         data_gen.set_state(rng["data"])
-        if rng.get("sr") is not None and device.type == "cpu":
+        # The SR generator's state is device-specific (CPU Mersenne Twister vs CUDA Philox); it is
+        # restored when the device type matches, otherwise the generator stays freshly seeded.
+        if rng.get("sr") is not None and rng.get("sr_device", "cpu") == device.type:
             sr_gen.set_state(rng["sr"])
         best_val = saved.get("best_val_loss")
         skipped = int(saved.get("skipped_steps", 0))
@@ -595,7 +597,7 @@ def train(config: TrainConfig) -> RunResult:
             "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
             "optimizer": optimizer.state_dict(),
             "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
-                    "sr": sr_gen.get_state() if device.type == "cpu" else None},
+                    "sr": sr_gen.get_state(), "sr_device": device.type},
             "config": cfg.to_dict(),
             "data": data_info,
             "best_val_loss": best_val,
