@@ -105,6 +105,8 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     g.add_argument("--n-layer", type=_positive_int, help="transformer blocks (default: preset)")
     g.add_argument("--n-embd", type=_positive_int, help="model width (default: preset)")
     g.add_argument("--n-head", type=_positive_int, help="attention heads (default: preset)")
+    g.add_argument("--untie-weights", dest="tie_weights", action="store_false", default=None,
+                   help="separate LM-head and embedding weights (default: tied)")
     g.add_argument("--lr", type=float, help="peak learning rate (default: preset)")
     g.add_argument("--warmup-steps", type=_nonneg_int, help="linear warmup steps (default: preset)")
     g.add_argument("--grad-clip", type=float, default=1.0, help="gradient-norm clip, 0 = off (default 1.0)")
@@ -160,7 +162,7 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
     return TrainConfig(
         precision=precision or getattr(args, "precision", "nvfp4"),
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
-        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, lr=args.lr,
+        n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, tie_weights=args.tie_weights, lr=args.lr,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, text=args.text, seed=args.seed,
         recipe=recipe, cooldown_frac=args.cooldown_frac, eval_interval=args.eval_interval,
         eval_batches=args.eval_batches, log_interval=args.log_interval,
@@ -215,7 +217,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
               f"{', '.join(VARIANTS)}", file=sys.stderr)
         return 2
     try:
-        cfg = config_from_args(args, precision="bf16")
+        cfg = config_from_args(args, precision="nvfp4")  # each variant sets its own precision
         cfg.resolved()
         result = compare(cfg, variants, out=args.out, baseline=args.baseline)
     except (ValueError, FileNotFoundError) as exc:

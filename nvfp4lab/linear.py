@@ -407,8 +407,9 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
         :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes quantize every ``te.Linear``; the head,
         plain torch in a TE model, stays high precision). ``recipe`` is ignored.
     recipe : the NVFP4 recipe (default ``NVFP4Recipe()``).
-    generator, seed : SR generator shared by all NVFP4 layers (default: a CPU-or-device
-        generator per layer seeded with ``seed``; see :class:`NVFP4Linear`).
+    generator, seed : SR generator shared by all NVFP4 layers. Default: each layer lazily creates
+        its own generator on the activations' device, seeded with ``seed + i`` for the i-th linear
+        layer of the model (distinct, reproducible streams; see :class:`NVFP4Linear`).
     block_pattern : regex whose group 1 is the block index in a module name.
 
     Parameters are shared with the original layers, so weight tying survives and the
@@ -453,12 +454,13 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
 
     recipe = recipe if recipe is not None else NVFP4Recipe()
     recipe.check_num_blocks(num_blocks)
-    for name, layer in layers:
+    for i, (name, layer) in enumerate(layers):
         b = block_of[name]
         chosen = recipe.quantize_lm_head if b is None else recipe.block_is_quantized(b, num_blocks)
         if chosen:
+            # without a shared generator, layer i gets its own stream seeded with seed + i
             _set_module(model, name, NVFP4Linear.from_linear(
-                layer, recipe=recipe, generator=generator, seed=seed, quantizer=quantizer, name=name))
+                layer, recipe=recipe, generator=generator, seed=seed + i, quantizer=quantizer, name=name))
     return model
 
 

@@ -260,6 +260,8 @@ class TrainConfig:
         c = dataclasses.replace(self, **overrides)
         if recipe_over:
             c.recipe = NVFP4Recipe.from_dict(self.recipe).replace(**recipe_over)
+        if c.precision in ("fp32", "bf16") and "cooldown_frac" not in overrides:
+            c.cooldown_frac = 0.0  # a base-config cooldown only applies to quantized variants
         c.name = name or c.name
         return c
 
@@ -698,12 +700,11 @@ def train(config: TrainConfig) -> RunResult:
                          steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
                          None, last_ckpt, data_info, layers)
         exc.result = result
-        metrics.close()
-        bar.close()
         _write_json(out / "run.json", result.to_dict())
         raise
-    bar.close()
-    metrics.close()
+    finally:
+        bar.close()
+        metrics.close()
     plot_path = None
     if cfg.plot:
         plot_path = plot_metrics(metrics_path, out / "loss.png",

@@ -268,6 +268,8 @@ def test_convert_model_selects_layers_and_shares_parameters():
     assert list(model.state_dict()) == keys                                # checkpoints interchangeable
     assert all(p is params[n] for n, p in model.named_parameters())       # parameters shared, not copied
     assert model.lm_head.weight is model.wte.weight                       # tying kept
+    seeds = {model.get_submodule(n)._state.seed for n in nvfp4}           # distinct default SR streams
+    assert len(seeds) == len(nvfp4)
 
     convert_model(model, "nvfp4", NVFP4Recipe(bf16_first_layers=0, bf16_last_layers=0, quantize_lm_head=True))
     assert set(layer_precisions(model).values()) == {"nvfp4"}

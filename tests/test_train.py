@@ -69,6 +69,9 @@ def test_config_resolution_and_validation():
     assert v.name == "nvfp4-all-layers"
     with pytest.raises(ValueError, match="unknown variant"):
         TrainConfig().with_variant("nvfp2")
+    cooled = TrainConfig(cooldown_frac=0.2)
+    assert cooled.with_variant("bf16").cooldown_frac == 0.0            # no cooldown for a BF16 run
+    assert cooled.with_variant("nvfp4-no-sr").cooldown_frac == 0.2
 
 
 def test_train_writes_everything_and_learns(tmp_path):
