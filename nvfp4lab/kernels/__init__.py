@@ -64,10 +64,21 @@ CONFIG: dict[str, dict[str, int]] = {
     "both": dict(BM=64, BK=128, num_warps=8),
     "2d": dict(BM=64, BK=128, num_warps=8),
     "dequant": dict(BM=32, BK=256, num_warps=8),
+    # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
+    # 16 rows x BK columns per program
+    "slices_col": dict(G=4, BK=64, num_warps=4),
+    "slices_both": dict(G=4, BK=64, num_warps=4),
+    "slices2d": dict(G=4, BK=64, num_warps=4),
 }
+#: Use the 16-slice kernel for columnwise outputs whenever M % 16 == 0 (else the tile kernel
+#: with an in-register transpose).
+SLICES = True
 #: Run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs).
 #: False: float32 butterfly (faster; see triton_kernels' docstring for what differs).
 RHT_F64 = True
+#: E2M1 encode by float32 bit arithmetic (True) or by the 7 thresholds of TE's reference (False);
+#: identical codes.
+E2M1_BITS = True
 
 _state = threading.local()
 _KERNELS: Any = None
@@ -203,6 +214,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     need_col_amax = col and not block2d and amax_col is None
     # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|
     buf = torch.zeros(2, dtype=torch.float32, device=dev)
+    span = (M - 1) * abs(x2.stride(0)) + (K - 1) * abs(x2.stride(1)) + 1
+    i64 = max(span, M * K) >= 2**31 - 1
     if need_row_amax or need_col_amax:
         a_cfg = CONFIG["amax"]
         BM, BK = a_cfg["BM"], a_cfg["BK"]
@@ -212,6 +225,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             x2, buf, M, K, x2.stride(0), x2.stride(1),
             ROW=do_row, ROW_RHT=row_rht, COL_RHT=need_col_amax and col_rht,
             SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
+            EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
             num_warps=a_cfg["num_warps"], **_launch_opts())
     a_row = amax_row if amax_row is not None else buf[0]
     if block2d:
@@ -229,17 +243,33 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col else None
     seeds = _seeds(generator, dev) if sr else buf  # buf: a dummy pointer when not SR
     dummy = buf
-    cfg = CONFIG[cfg_name]
-    BM, BK = cfg["BM"], cfg["BK"]
-    grid = (_cdiv(M, BM) * _cdiv(K, BK),)
-    k.quantize_kernel[grid](
-        x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
-        d if row else dummy, s if row else dummy, dt if col else dummy, st if col else dummy,
-        Kh, K16, Mh, M16, _INV6,
-        ROW=row, COL=col, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
-        SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
-        REVERSE=need_row_amax or need_col_amax,
-        num_warps=cfg["num_warps"], **_launch_opts())
+    even = lambda BM, BK: M % BM == 0 and K % BK == 0  # noqa: E731
+    use_slices = (col and M % 16 == 0 and not row_rht and not (block2d and sr)
+                  and (SLICES or cfg_name == "both"))
+    if use_slices:
+        cfg = CONFIG["slices2d" if block2d else ("slices_both" if row else "slices_col")]
+        G, BK = cfg["G"], cfg["BK"]
+        grid = (_cdiv(M, 16 * G) * _cdiv(K, BK),)
+        k.quantize_slices_kernel[grid](
+            x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
+            d if row else dummy, s if row else dummy, dt.view(torch.int32), st,
+            Kh, K16, Mh // 4, M16, _INV6,
+            ROW=row, COL=col, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
+            SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
+            REVERSE=need_row_amax or need_col_amax, E2M1_BITS=bool(E2M1_BITS),
+            EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+    else:
+        cfg = CONFIG[cfg_name]
+        BM, BK = cfg["BM"], cfg["BK"]
+        grid = (_cdiv(M, BM) * _cdiv(K, BK),)
+        k.quantize_kernel[grid](
+            x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
+            d if row else dummy, s if row else dummy, dt if col else dummy, st if col else dummy,
+            Kh, K16, Mh, M16, _INV6,
+            ROW=row, COL=col, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
+            SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
+            REVERSE=need_row_amax or need_col_amax, E2M1_BITS=bool(E2M1_BITS),
+            EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
     f8 = torch.float8_e4m3fn
     return (d, None if s is None else s.view(f8), a_row.reshape(()),
             dt, None if st is None else st.view(f8), a_col.reshape(()))

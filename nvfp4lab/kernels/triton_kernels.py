@@ -36,7 +36,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-FLT_MAX = 3.4028234663852886e38
+FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
 
 
 # ----------------------------------------------------------------------------- numerics helpers
@@ -128,6 +128,22 @@ def _e2m1_rne(y):
 
 
 @triton.jit
+def _e2m1_rne_bits(y):
+    """Same codes as :func:`_e2m1_rne` with fewer instructions (fp32 bit arithmetic).
+
+    |y| >= 1: round the float32 significand to 1 bit (RNE) and read (exponent, bit) as the
+    code; |y| < 1: RNE of 2|y| to an integer via the 2^23 magic add (codes 0, 1, 2).
+    """
+    m = tl.abs(y)
+    b = m.to(tl.int32, bitcast=True)
+    cn = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
+    t = m * 2.0 + 8388608.0  # 2|y| is exact, so a fused multiply-add gives the same bits
+    cs = t.to(tl.int32, bitcast=True) - 0x4B000000
+    c = tl.where(m < 1.0, cs, cn)
+    return c | ((y < 0.0).to(tl.int32) << 3)
+
+
+@triton.jit
 def _e2m1_sr(y, u):
     """Stochastic E2M1 codes of ``y`` clamped to [-6, 6], ``u`` uniform in (0, 1).
 
@@ -172,7 +188,8 @@ def _pack(codes, R: tl.constexpr, C: tl.constexpr):
 
 
 @triton.jit
-def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr,
+               E2M1_BITS: tl.constexpr = True):
     """1x16 blocks along the last axis of ``v`` [R, C]: (codes int32 [R, C], scale bytes int32 [R, C/16])."""
     v3 = tl.reshape(v, (R, C // 16, 16))
     bamax = tl.max(tl.abs(v3), axis=2)
@@ -183,13 +200,16 @@ def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     if SR:
         codes = _e2m1_sr(y, tl.reshape(u, (R, C // 16, 16)))
+    elif E2M1_BITS:
+        codes = _e2m1_rne_bits(y)
     else:
         codes = _e2m1_rne(y)
     return tl.reshape(codes, (R, C)), sfc
 
 
 @triton.jit
-def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr):
+def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.constexpr,
+               E2M1_BITS: tl.constexpr = True):
     """16x16 tiles of ``v`` [R, C]: (codes int32 [R, C], scale bytes int32 [R/16, C/16])."""
     v4 = tl.reshape(v, (R // 16, 16, C // 16, 16))
     bamax = tl.max(tl.max(tl.abs(v4), axis=3), axis=1)
@@ -200,6 +220,8 @@ def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     if SR:
         codes = _e2m1_sr(y, tl.reshape(u, (R // 16, 16, C // 16, 16)))
+    elif E2M1_BITS:
+        codes = _e2m1_rne_bits(y)
     else:
         codes = _e2m1_rne(y)
     return tl.reshape(codes, (R, C)), sfc
@@ -215,12 +237,27 @@ def _tile_index(M, K, BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr)
 
 
 @triton.jit
-def _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM: tl.constexpr, BK: tl.constexpr):
-    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
-    cols = (pk * BK + tl.arange(0, BK)).to(tl.int64)
-    mask = (rows[:, None] < M) & (cols[None, :] < K)
-    x = tl.load(x_ptr + rows[:, None] * sxm + cols[None, :] * sxk, mask=mask, other=0.0)
+def _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+               I64: tl.constexpr):
+    rows = pm * BM + tl.arange(0, BM)
+    cols = pk * BK + tl.arange(0, BK)
+    if I64:
+        rows = rows.to(tl.int64)
+        cols = cols.to(tl.int64)
+    ptrs = x_ptr + rows[:, None] * sxm + cols[None, :] * sxk
+    if EVEN:
+        x = tl.load(ptrs)
+    else:
+        x = tl.load(ptrs, mask=(rows[:, None] < M) & (cols[None, :] < K), other=0.0)
     return x.to(tl.float32), rows, cols
+
+
+@triton.jit
+def _store(ptrs, val, mask, EVEN: tl.constexpr):
+    if EVEN:
+        tl.store(ptrs, val)
+    else:
+        tl.store(ptrs, val, mask=mask)
 
 
 # ----------------------------------------------------------------------------- kernels
@@ -228,11 +265,11 @@ def _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM: tl.constexpr, BK: tl.constexpr
 def amax_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
                 ROW: tl.constexpr, ROW_RHT: tl.constexpr, COL_RHT: tl.constexpr,
                 SIGN_MASK: tl.constexpr, RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
-                BM: tl.constexpr, BK: tl.constexpr):
+                BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
     """Global amax pass: atomic max of |x| (or |RHT_K(x)|) into amax[0] when ROW, and of
     |RHT_M(x)| (the columnwise copy's post-RHT values) into amax[1] when COL_RHT."""
     pm, pk = _tile_index(M, K, BM, BK, False)
-    x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK)
+    x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK, EVEN, I64)
     if ROW:
         v = x
         if ROW_RHT:
@@ -250,7 +287,8 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                     ROW: tl.constexpr, COL: tl.constexpr, ROW_RHT: tl.constexpr, COL_RHT: tl.constexpr,
                     BLOCK2D: tl.constexpr, SR: tl.constexpr, SIGN_MASK: tl.constexpr,
                     RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
-                    BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr):
+                    BM: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, E2M1_BITS: tl.constexpr,
+                    EVEN: tl.constexpr, I64: tl.constexpr):
     """Quantize one [BM, BK] tile of x [M, K] (strides sxm, sxk), read once.
 
     ROW: x along K -> data d [M, ceil(K/2)] (row stride d_rs), scales s [M or ceil(M/16),
@@ -262,7 +300,7 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     Philox counter is (element index in the output) / 8.
     """
     pm, pk = _tile_index(M, K, BM, BK, REVERSE)
-    x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK)
+    x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK, EVEN, I64)
     Mh = (M + 1) // 2
     Kh = (K + 1) // 2
     M16 = (M + 15) // 16
@@ -278,29 +316,29 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             cnt = rows[:, None] * (K16 * 2) + (pk * (BK // 8) + tl.arange(0, BK // 8))[None, :]
             u = _uniform16(seed, cnt)
         if BLOCK2D:
-            codes, sfc = _encode_2d(v, s_dec, mult, u, BM, BK, SR)
+            codes, sfc = _encode_2d(v, s_dec, mult, u, BM, BK, SR, E2M1_BITS)
         else:
-            codes, sfc = _encode_1d(v, s_dec, mult, u, BM, BK, SR)
+            codes, sfc = _encode_1d(v, s_dec, mult, u, BM, BK, SR, E2M1_BITS)
         if ROW:
             hcols = pk * (BK // 2) + tl.arange(0, BK // 2)
-            tl.store(d_ptr + rows[:, None] * d_rs + hcols[None, :], _pack(codes, BM, BK),
-                     mask=(rows[:, None] < M) & (hcols[None, :] < Kh))
+            _store(d_ptr + rows[:, None] * d_rs + hcols[None, :], _pack(codes, BM, BK),
+                   (rows[:, None] < M) & (hcols[None, :] < Kh), EVEN)
             scols = pk * (BK // 16) + tl.arange(0, BK // 16)
             if BLOCK2D:
                 srows = pm * (BM // 16) + tl.arange(0, BM // 16)
-                tl.store(s_ptr + srows[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
-                         mask=(srows[:, None] < M16) & (scols[None, :] < K16))
+                _store(s_ptr + srows[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
+                   (srows[:, None] < M16) & (scols[None, :] < K16), EVEN)
             else:
-                tl.store(s_ptr + rows[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
-                         mask=(rows[:, None] < M) & (scols[None, :] < K16))
+                _store(s_ptr + rows[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
+                   (rows[:, None] < M) & (scols[None, :] < K16), EVEN)
         if COL and BLOCK2D:
             hrows = pm * (BM // 2) + tl.arange(0, BM // 2)
-            tl.store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(tl.trans(codes), BK, BM),
-                     mask=(cols[:, None] < K) & (hrows[None, :] < Mh))
+            _store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(tl.trans(codes), BK, BM),
+                   (cols[:, None] < K) & (hrows[None, :] < Mh), EVEN)
             srows = pm * (BM // 16) + tl.arange(0, BM // 16)
             scols = pk * (BK // 16) + tl.arange(0, BK // 16)
-            tl.store(st_ptr + scols[:, None] * st_rs + srows[None, :], tl.trans(sfc).to(tl.uint8),
-                     mask=(scols[:, None] < K16) & (srows[None, :] < M16))
+            _store(st_ptr + scols[:, None] * st_rs + srows[None, :], tl.trans(sfc).to(tl.uint8),
+                   (scols[:, None] < K16) & (srows[None, :] < M16), EVEN)
     if COL and not BLOCK2D:
         s_enc_t, s_dec_t, mult_t = _global_scales(tl.load(amaxt_ptr), inv6)
         vt = tl.trans(x)
@@ -311,13 +349,13 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             seed_t = tl.load(seed_ptr + 1)
             cnt_t = cols[:, None] * (M16 * 2) + (pm * (BM // 8) + tl.arange(0, BM // 8))[None, :]
             ut = _uniform16(seed_t, cnt_t)
-        codes_t, sfc_t = _encode_1d(vt, s_dec_t, mult_t, ut, BK, BM, SR)
+        codes_t, sfc_t = _encode_1d(vt, s_dec_t, mult_t, ut, BK, BM, SR, E2M1_BITS)
         hrows = pm * (BM // 2) + tl.arange(0, BM // 2)
-        tl.store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(codes_t, BK, BM),
-                 mask=(cols[:, None] < K) & (hrows[None, :] < Mh))
+        _store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(codes_t, BK, BM),
+                   (cols[:, None] < K) & (hrows[None, :] < Mh), EVEN)
         srows = pm * (BM // 16) + tl.arange(0, BM // 16)
-        tl.store(st_ptr + cols[:, None] * st_rs + srows[None, :], sfc_t.to(tl.uint8),
-                 mask=(cols[:, None] < K) & (srows[None, :] < M16))
+        _store(st_ptr + cols[:, None] * st_rs + srows[None, :], sfc_t.to(tl.uint8),
+                   (cols[:, None] < K) & (srows[None, :] < M16), EVEN)
 
 
 @triton.jit
@@ -353,7 +391,7 @@ def dequantize_kernel(d_ptr, s_ptr, amax_ptr, out_ptr, M, K, d_rs, s_rs, o_rs, i
     if GLOBAL:
         amax = tl.load(amax_ptr)
         amax_b = tl.full(sf.shape, 0.0, tl.float32) + amax
-        finite = tl.abs(amax_b) < float("inf")
+        finite = tl.abs(amax_b) <= FLT_MAX
         sf = tl.where(finite, (sf * amax_b) * inv2688, sf)
     out = tl.reshape(tl.reshape(val, (BM, BK // 16, 16)) * sf[:, :, None], (BM, BK))
     if UNDO_RHT:
@@ -370,3 +408,146 @@ def dequantize_kernel(d_ptr, s_ptr, amax_ptr, out_ptr, M, K, d_rs, s_rs, o_rs, i
     tl.store(out_ptr + rows[:, None] * o_rs + cols[None, :],
              (out.to(tl.uint32, bitcast=True) >> 16).to(tl.int16),
              mask=(rows[:, None] < M) & (cols[None, :] < K))
+
+
+# ----------------------------------------------------------------------------- 16-slice kernel
+@triton.jit
+def _uniform_from_bits(r):
+    """uint32/int32 random word -> two uniforms (low and high 16 bits), (k + 0.5) * 2^-16."""
+    w = r.to(tl.uint32, bitcast=True)
+    return ((w & 0xFFFF).to(tl.float32) + 0.5) * 1.52587890625e-05, ((w >> 16).to(tl.float32) + 0.5) * 1.52587890625e-05
+
+
+@triton.jit
+def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
+                           d_ptr, s_ptr, dt32_ptr, st_ptr,
+                           d_rs, s_rs, dt32_rs, st_rs, inv6,
+                           ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
+                           BLOCK2D: tl.constexpr, SR: tl.constexpr, SIGN_MASK: tl.constexpr,
+                           RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
+                           G: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, E2M1_BITS: tl.constexpr,
+                           EVEN: tl.constexpr, I64: tl.constexpr):
+    """Rowwise and/or columnwise quantization of x [M, K] (M % 16 == 0) from one read.
+
+    The tile (16·G rows × BK columns) is loaded as 16 slices ``xs[i] = x[16g + i, k]`` of shape
+    [G, BK], so every columnwise block (16 consecutive rows of one column) is the 16 slices at
+    one (g, k): the columnwise block amax, the RHT butterfly and the nibble packing along M are
+    element-wise operations between slices (no transpose or shuffle), and the 16 codes of a
+    columnwise block pack into two int32 words stored to ``dt`` viewed as int32 [K, M/8].
+    Rowwise blocks are encoded per slice along K. Same numerics as :func:`quantize_kernel`.
+    """
+    BM: tl.constexpr = 16 * G
+    pm, pk = _tile_index(M, K, BM, BK, REVERSE)
+    g = pm * BM + tl.arange(0, G) * 16
+    cols = pk * BK + tl.arange(0, BK)
+    if I64:
+        g = g.to(tl.int64)
+        cols = cols.to(tl.int64)
+    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
+    lmask = (g[:, None] < M) & (cols[None, :] < K)
+    if EVEN:
+        xs = [tl.load(base + i * sxm).to(tl.float32)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    else:
+        xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    K16 = (K + 15) // 16
+    M16 = M // 16
+    gi = pm * G + tl.arange(0, G)  # columnwise block index along M
+    # ---------------- rowwise (and 2D) ----------------
+    if ROW or BLOCK2D:
+        s_enc, s_dec, mult = _global_scales(tl.load(amax_ptr), inv6)
+        if SR:
+            seed = tl.load(seed_ptr)
+        scols = pk * (BK // 16) + tl.arange(0, BK // 16)
+        hcols = pk * (BK // 2) + tl.arange(0, BK // 2)
+        if BLOCK2D:
+            tm = tl.max(tl.reshape(tl.abs(xs[0]), (G, BK // 16, 16)), axis=2)
+            for i in tl.static_range(1, 16):
+                tm = tl.maximum(tm, tl.max(tl.reshape(tl.abs(xs[i]), (G, BK // 16, 16)), axis=2))
+            sf = tl.minimum(tl.minimum(tm * mult, FLT_MAX), 448.0)
+            sfv, sfc = _e4m3_rne(sf)
+            enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
+            if ROW:
+                _store(s_ptr + gi[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
+                       (gi[:, None] < M16) & (scols[None, :] < K16), EVEN)
+            if COL:
+                _store(st_ptr + scols[None, :] * st_rs + gi[:, None], sfc.to(tl.uint8),
+                       (gi[:, None] < M16) & (scols[None, :] < K16), EVEN)
+            rcodes = [tl.reshape(_e2m1_rne_bits(tl.minimum(tl.maximum(
+                tl.reshape(xs[i], (G, BK // 16, 16)) * enc[:, :, None], -6.0), 6.0)), (G, BK))
+                for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            if ROW:
+                for i in tl.static_range(16):
+                    _store(d_ptr + (g + i)[:, None] * d_rs + hcols[None, :], _pack(rcodes[i], G, BK),
+                           ((g + i)[:, None] < M) & (hcols[None, :] < (K + 1) // 2), EVEN)
+        else:
+            for i in tl.static_range(16):
+                u = 0.0
+                if SR:
+                    cnt = (g + i)[:, None] * (K16 * 2) + (pk * (BK // 8) + tl.arange(0, BK // 8))[None, :]
+                    u = _uniform16(seed, cnt)
+                codes, sfc = _encode_1d(xs[i], s_dec, mult, u, G, BK, SR, E2M1_BITS)
+                _store(d_ptr + (g + i)[:, None] * d_rs + hcols[None, :], _pack(codes, G, BK),
+                       ((g + i)[:, None] < M) & (hcols[None, :] < (K + 1) // 2), EVEN)
+                _store(s_ptr + (g + i)[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
+                       ((g + i)[:, None] < M) & (scols[None, :] < K16), EVEN)
+    # ---------------- columnwise ----------------
+    wmask = (gi[:, None] < M16) & (cols[None, :] < K)
+    if COL and BLOCK2D:
+        ccodes = rcodes
+    if COL and not BLOCK2D:
+        s_enc_t, s_dec_t, mult_t = _global_scales(tl.load(amaxt_ptr), inv6)
+        ys = xs
+        if COL_RHT:
+            if RHT_F64:
+                ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
+                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            else:
+                ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
+                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            for s in tl.static_range(4):
+                h: tl.constexpr = 1 << s
+                ys = [(ys[i] + ys[i + h]) if (i & h) == 0 else (ys[i - h] - ys[i])
+                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            if RHT_F64:
+                ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            else:
+                ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            if ROUND_BF16:
+                ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        bm = tl.abs(ys[0])
+        for i in tl.static_range(1, 16):
+            bm = tl.maximum(bm, tl.abs(ys[i]))
+        sf = tl.minimum(tl.minimum(bm * mult_t, FLT_MAX), 448.0)
+        sfv, sfc = _e4m3_rne(sf)
+        enc = tl.minimum(_div_rn(1.0, sfv * s_dec_t), FLT_MAX)
+        _store(st_ptr + cols[None, :] * st_rs + gi[:, None], sfc.to(tl.uint8), wmask, EVEN)
+        if SR:
+            seed_t = tl.load(seed_ptr + 1)
+            cnt0 = cols[None, :] * (M16 * 2) + (gi * 2)[:, None]
+            a0, a1, a2, a3 = tl.randint4x(seed_t, cnt0)
+            b0, b1, b2, b3 = tl.randint4x(seed_t, cnt0 + 1)
+            u0, u1 = _uniform_from_bits(a0)
+            u2, u3 = _uniform_from_bits(a1)
+            u4, u5 = _uniform_from_bits(a2)
+            u6, u7 = _uniform_from_bits(a3)
+            u8, u9 = _uniform_from_bits(b0)
+            u10, u11 = _uniform_from_bits(b1)
+            u12, u13 = _uniform_from_bits(b2)
+            u14, u15 = _uniform_from_bits(b3)
+            us = [u0, u1, u2, u3, u4, u5, u6, u7, u8, u9, u10, u11, u12, u13, u14, u15]
+            ccodes = [_e2m1_sr(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0), us[i])
+                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        else:
+            ccodes = [_e2m1_rne_bits(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0))
+                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    if COL:
+        w0 = ccodes[0]
+        w1 = ccodes[8]
+        for i in tl.static_range(1, 8):
+            w0 = w0 | (ccodes[i] << (4 * i))
+            w1 = w1 | (ccodes[8 + i] << (4 * i))
+        wp = dt32_ptr + cols[None, :] * dt32_rs + (gi * 2)[:, None]
+        _store(wp, w0, wmask, EVEN)
+        _store(wp + 1, w1, wmask, EVEN)
