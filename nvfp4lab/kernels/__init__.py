@@ -59,20 +59,26 @@ _GEMM_FACTOR = 7225344.0  # 6*6*448*448
 #: Tile shapes and warps per kernel mode (tuned on the GPU; edit for sweeps).
 CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BM=64, BK=128, num_warps=8),
-    "row": dict(BM=32, BK=256, num_warps=8),
+    "row": dict(BM=32, BK=256, num_warps=4),
     "col": dict(BM=128, BK=64, num_warps=8),
     "both": dict(BM=64, BK=128, num_warps=8),
     "2d": dict(BM=64, BK=128, num_warps=8),
     "dequant": dict(BM=32, BK=256, num_warps=8),
     # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
     # 16 rows x BK columns per program
-    "slices_col": dict(G=4, BK=64, num_warps=4),
+    "slices_col": dict(G=4, BK=128, num_warps=4),
     "slices_both": dict(G=4, BK=64, num_warps=4),
     "slices2d": dict(G=4, BK=64, num_warps=4),
+    "amax_slices": dict(G=2, BK=128, num_warps=4),
 }
 #: Use the 16-slice kernel for columnwise outputs whenever M % 16 == 0 (else the tile kernel
 #: with an in-register transpose).
 SLICES = True
+#: fused_quantize_rowwise_columnwise (1x16): one kernel writing both copies from one read of each
+#: tile (True), or a rowwise and a columnwise kernel that read the input once each (False, the
+#: default: the kernels are instruction-bound, and on an H200 the fused kernel's register
+#: pressure made it slower than the two kernels together: 222 vs 86 + 110 us at 8192^2 bf16).
+FUSE_ROW_COL = False
 #: Run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs).
 #: False: float32 butterfly (faster; see triton_kernels' docstring for what differs).
 RHT_F64 = True
@@ -203,7 +209,7 @@ def _check_common(x, block, rounding) -> bool:
 
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
-         sr: bool, mask: int, generator, amax_row, amax_col, cfg_name: str):
+         sr: bool, mask: int, generator, amax_row, amax_col):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs."""
     k = _kernels()
     M, K = x2.shape
@@ -217,16 +223,25 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     span = (M - 1) * abs(x2.stride(0)) + (K - 1) * abs(x2.stride(1)) + 1
     i64 = max(span, M * K) >= 2**31 - 1
     if need_row_amax or need_col_amax:
-        a_cfg = CONFIG["amax"]
-        BM, BK = a_cfg["BM"], a_cfg["BK"]
-        grid = (_cdiv(M, BM) * _cdiv(K, BK),)
         do_row = need_row_amax or (need_col_amax and not col_rht)
-        k.amax_kernel[grid](
-            x2, buf, M, K, x2.stride(0), x2.stride(1),
-            ROW=do_row, ROW_RHT=row_rht, COL_RHT=need_col_amax and col_rht,
-            SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
-            EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
-            num_warps=a_cfg["num_warps"], **_launch_opts())
+        do_col_rht = need_col_amax and col_rht
+        if do_col_rht and SLICES and M % 16 == 0 and not row_rht:
+            a_cfg = CONFIG["amax_slices"]
+            G, BK = a_cfg["G"], a_cfg["BK"]
+            k.amax_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
+                x2, buf, M, K, x2.stride(0), x2.stride(1), ROW=do_row, COL_RHT=True,
+                SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
+                EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
+                num_warps=a_cfg["num_warps"], **_launch_opts())
+        else:
+            a_cfg = CONFIG["amax"]
+            BM, BK = a_cfg["BM"], a_cfg["BK"]
+            k.amax_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
+                x2, buf, M, K, x2.stride(0), x2.stride(1),
+                ROW=do_row, ROW_RHT=row_rht, COL_RHT=do_col_rht,
+                SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
+                EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
+                num_warps=a_cfg["num_warps"], **_launch_opts())
     a_row = amax_row if amax_row is not None else buf[0]
     if block2d:
         a_col = a_row
@@ -244,32 +259,38 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     seeds = _seeds(generator, dev) if sr else buf  # buf: a dummy pointer when not SR
     dummy = buf
     even = lambda BM, BK: M % BM == 0 and K % BK == 0  # noqa: E731
-    use_slices = (col and M % 16 == 0 and not row_rht and not (block2d and sr)
-                  and (SLICES or cfg_name == "both"))
-    if use_slices:
-        cfg = CONFIG["slices2d" if block2d else ("slices_both" if row else "slices_col")]
-        G, BK = cfg["G"], cfg["BK"]
-        grid = (_cdiv(M, 16 * G) * _cdiv(K, BK),)
-        k.quantize_slices_kernel[grid](
-            x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
-            d if row else dummy, s if row else dummy, dt.view(torch.int32), st,
-            Kh, K16, Mh // 4, M16, _INV6,
-            ROW=row, COL=col, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
-            SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
-            REVERSE=need_row_amax or need_col_amax, E2M1_BITS=bool(E2M1_BITS),
-            EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+    reverse = need_row_amax or need_col_amax
+
+    def launch(row_: bool, col_: bool) -> None:
+        use_slices = SLICES and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
+        if use_slices:
+            cfg = CONFIG["slices2d" if block2d else ("slices_both" if row_ else "slices_col")]
+            G, BK = cfg["G"], cfg["BK"]
+            k.quantize_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
+                x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
+                d if row_ else dummy, s if row_ else dummy, dt.view(torch.int32), st,
+                Kh, K16, Mh // 4, M16, _INV6,
+                ROW=row_, COL=col_, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
+                SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
+                REVERSE=reverse, E2M1_BITS=bool(E2M1_BITS),
+                EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+        else:
+            cfg = CONFIG["2d" if block2d else ("both" if row_ and col_ else ("row" if row_ else "col"))]
+            BM, BK = cfg["BM"], cfg["BK"]
+            k.quantize_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
+                x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
+                d if row_ else dummy, s if row_ else dummy, dt if col_ else dummy, st if col_ else dummy,
+                Kh, K16, Mh, M16, _INV6,
+                ROW=row_, COL=col_, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
+                SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
+                REVERSE=reverse, E2M1_BITS=bool(E2M1_BITS),
+                EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+
+    if row and col and not block2d and not FUSE_ROW_COL:
+        launch(True, False)
+        launch(False, True)
     else:
-        cfg = CONFIG[cfg_name]
-        BM, BK = cfg["BM"], cfg["BK"]
-        grid = (_cdiv(M, BM) * _cdiv(K, BK),)
-        k.quantize_kernel[grid](
-            x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
-            d if row else dummy, s if row else dummy, dt if col else dummy, st if col else dummy,
-            Kh, K16, Mh, M16, _INV6,
-            ROW=row, COL=col, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
-            SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
-            REVERSE=need_row_amax or need_col_amax, E2M1_BITS=bool(E2M1_BITS),
-            EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+        launch(row, col)
     f8 = torch.float8_e4m3fn
     return (d, None if s is None else s.view(f8), a_row.reshape(()),
             dt, None if st is None else st.view(f8), a_col.reshape(()))
@@ -329,12 +350,11 @@ def quantize_fast(
         y = x2.t()
         _, _, _, data, scale, amax_t = _run(
             y, row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=mask,
-            generator=generator, amax_row=a if block2d else None, amax_col=a,
-            cfg_name="2d" if block2d else "col")
+            generator=generator, amax_row=a if block2d else None, amax_col=a)
     else:
         data, scale, amax_t, _, _, _ = _run(
             x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=mask,
-            generator=generator, amax_row=a, amax_col=None, cfg_name="2d" if block2d else "row")
+            generator=generator, amax_row=a, amax_col=None)
     return NVFP4Tensor(data=data, scale=scale, amax=amax_t, shape=x.shape, block=block, dtype=x.dtype,
                        rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding)
 
@@ -397,8 +417,7 @@ def fused_quantize_rowwise_columnwise(
     block2d = block == "2d"
     d, s, am, dt, st, amt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d,
-        sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at,
-        cfg_name="2d" if block2d else "both")
+        sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at)
     row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
                       rht=False, rht_signs=None, rounding=rounding)
     col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,

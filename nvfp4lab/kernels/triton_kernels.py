@@ -37,6 +37,9 @@ import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
+#: Philox4x32 rounds for stochastic rounding (Random123's Philox4x32-7 passes BigCrush; 10 is
+#: the conventional safety margin and Triton's default).
+PHILOX_ROUNDS = tl.constexpr(7)
 
 
 # ----------------------------------------------------------------------------- numerics helpers
@@ -144,6 +147,28 @@ def _e2m1_rne_bits(y):
 
 
 @triton.jit
+def _e2m1_sr_bits(y, u):
+    """Stochastic E2M1 codes with fewer instructions: add ``u·step`` and truncate (as TE's
+    software emulation ``t = fma(u, step, a)``, then floor to the grid).
+
+    ``step`` is the grid spacing of |y|'s binade (0.5 below 2, 1 in [2, 4), 2 from 4). The
+    truncated ``t`` is the upper neighbour iff ``u >= 1 - p`` with ``p = (a - lo) / step``:
+    the same distribution as :func:`_e2m1_sr` (``u < p``). ``u·step`` is exact; ``a + u·step``
+    is exact except when it crosses into the next binade, where an ulp of rounding can move
+    the decision by < 2^-22 of a step (below the 2^-17 resolution of ``u``).
+    """
+    a = tl.abs(y)
+    b = a.to(tl.int32, bitcast=True)
+    step_n = ((b & 0x7F800000) - 0x00800000).to(tl.float32, bitcast=True)
+    step = tl.where(a < 1.0, 0.5, step_n)
+    t = a + u * step
+    cn = (t.to(tl.int32, bitcast=True) >> 22) - 252
+    cs = (t >= 0.5).to(tl.int32)
+    c = tl.where(t < 1.0, cs, cn)
+    return c | ((y < 0.0).to(tl.int32) << 3)
+
+
+@triton.jit
 def _e2m1_sr(y, u):
     """Stochastic E2M1 codes of ``y`` clamped to [-6, 6], ``u`` uniform in (0, 1).
 
@@ -170,14 +195,15 @@ def _uniform16(seed, counter):
     ``counter`` [R, C8] int64 -> [R, C8 * 8] float32, value (k + 0.5) * 2^-16, k in 0..65535.
     The 16-bit resolution biases each rounding probability by at most 2^-17.
     """
-    r0, r1, r2, r3 = tl.randint4x(seed, counter)
+    r0, r1, r2, r3 = tl.randint4x(seed, counter, PHILOX_ROUNDS)
     j = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [R, C8, 2, 2]
     j = j.to(tl.uint32, bitcast=True)
-    k = tl.join(j & 0xFFFF, j >> 16)  # [R, C8, 2, 2, 2]
+    # 16-bit k -> float32 1 + (k + 0.5) 2^-16 built from bits (no int->float conversion), minus 1
+    f = tl.join(((j << 7) & 0x7FFF80) | 0x3F800040, ((j >> 9) & 0x7FFF80) | 0x3F800040)
     R: tl.constexpr = counter.shape[0]
     C8: tl.constexpr = counter.shape[1]
-    k = tl.reshape(k, (R, C8 * 8))
-    return (k.to(tl.float32) + 0.5) * 1.52587890625e-05
+    f = tl.reshape(f, (R, C8 * 8))
+    return f.to(tl.float32, bitcast=True) - 1.0
 
 
 @triton.jit
@@ -199,7 +225,7 @@ def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     y = v3 * enc[:, :, None]
     y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     if SR:
-        codes = _e2m1_sr(y, tl.reshape(u, (R, C // 16, 16)))
+        codes = _e2m1_sr_bits(y, tl.reshape(u, (R, C // 16, 16)))
     elif E2M1_BITS:
         codes = _e2m1_rne_bits(y)
     else:
@@ -219,7 +245,7 @@ def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     y = v4 * enc[:, None, :, None]
     y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     if SR:
-        codes = _e2m1_sr(y, tl.reshape(u, (R // 16, 16, C // 16, 16)))
+        codes = _e2m1_sr_bits(y, tl.reshape(u, (R // 16, 16, C // 16, 16)))
     elif E2M1_BITS:
         codes = _e2m1_rne_bits(y)
     else:
@@ -415,7 +441,9 @@ def dequantize_kernel(d_ptr, s_ptr, amax_ptr, out_ptr, M, K, d_rs, s_rs, o_rs, i
 def _uniform_from_bits(r):
     """uint32/int32 random word -> two uniforms (low and high 16 bits), (k + 0.5) * 2^-16."""
     w = r.to(tl.uint32, bitcast=True)
-    return ((w & 0xFFFF).to(tl.float32) + 0.5) * 1.52587890625e-05, ((w >> 16).to(tl.float32) + 0.5) * 1.52587890625e-05
+    lo = (((w << 7) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
+    hi = (((w >> 9) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
+    return lo, hi
 
 
 @triton.jit
@@ -507,8 +535,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                 ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             for s in tl.static_range(4):
-                h: tl.constexpr = 1 << s
-                ys = [(ys[i] + ys[i + h]) if (i & h) == 0 else (ys[i - h] - ys[i])
+                ys = [(ys[i] + ys[i + (1 << s)]) if (i & (1 << s)) == 0 else (ys[i - (1 << s)] - ys[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             if RHT_F64:
                 ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
@@ -526,8 +553,8 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         if SR:
             seed_t = tl.load(seed_ptr + 1)
             cnt0 = cols[None, :] * (M16 * 2) + (gi * 2)[:, None]
-            a0, a1, a2, a3 = tl.randint4x(seed_t, cnt0)
-            b0, b1, b2, b3 = tl.randint4x(seed_t, cnt0 + 1)
+            a0, a1, a2, a3 = tl.randint4x(seed_t, cnt0, PHILOX_ROUNDS)
+            b0, b1, b2, b3 = tl.randint4x(seed_t, cnt0 + 1, PHILOX_ROUNDS)
             u0, u1 = _uniform_from_bits(a0)
             u2, u3 = _uniform_from_bits(a1)
             u4, u5 = _uniform_from_bits(a2)
@@ -537,7 +564,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             u12, u13 = _uniform_from_bits(b2)
             u14, u15 = _uniform_from_bits(b3)
             us = [u0, u1, u2, u3, u4, u5, u6, u7, u8, u9, u10, u11, u12, u13, u14, u15]
-            ccodes = [_e2m1_sr(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0), us[i])
+            ccodes = [_e2m1_sr_bits(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0), us[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         else:
             ccodes = [_e2m1_rne_bits(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0))
@@ -551,3 +578,52 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         wp = dt32_ptr + cols[None, :] * dt32_rs + (gi * 2)[:, None]
         _store(wp, w0, wmask, EVEN)
         _store(wp + 1, w1, wmask, EVEN)
+
+
+@triton.jit
+def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
+                       ROW: tl.constexpr, COL_RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
+                       RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
+                       G: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+    """amax pass for the 16-slice layout (M % 16 == 0): max|x| into amax[0] when ROW and the
+    columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel."""
+    BM: tl.constexpr = 16 * G
+    pm, pk = _tile_index(M, K, BM, BK, False)
+    g = pm * BM + tl.arange(0, G) * 16
+    cols = pk * BK + tl.arange(0, BK)
+    if I64:
+        g = g.to(tl.int64)
+        cols = cols.to(tl.int64)
+    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
+    lmask = (g[:, None] < M) & (cols[None, :] < K)
+    if EVEN:
+        xs = [tl.load(base + i * sxm).to(tl.float32)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    else:
+        xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    if ROW:
+        m = tl.abs(xs[0])
+        for i in tl.static_range(1, 16):
+            m = tl.maximum(m, tl.abs(xs[i]))
+        tl.atomic_max(amax_ptr, tl.max(tl.max(m, axis=1), axis=0))
+    if COL_RHT:
+        if RHT_F64:
+            ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
+                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        else:
+            ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
+                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        for s in tl.static_range(4):
+            ys = [(ys[i] + ys[i + (1 << s)]) if (i & (1 << s)) == 0 else (ys[i - (1 << s)] - ys[i])
+                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        if RHT_F64:
+            ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        else:
+            ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        if ROUND_BF16:
+            ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        mc = tl.abs(ys[0])
+        for i in tl.static_range(1, 16):
+            mc = tl.maximum(mc, tl.abs(ys[i]))
+        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(mc, axis=1), axis=0))
