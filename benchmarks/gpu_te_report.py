@@ -1,0 +1,905 @@
+"""Regenerate the recorded GPU results of book chapters 10 and 11 (Transformer Engine on Hopper).
+
+One run on the GPU machine writes ``<out>/te_gpu.json`` and ``<out>/te_gpu.png``::
+
+    bash .device/install.sh --te && PYTHONUNBUFFERED=1 PYTHONPATH=. python3 benchmarks/gpu_te_report.py --out $OUT
+
+(then copy ``te_gpu.json`` and ``te_gpu.png`` into ``results/``). The script itself took 90 s on
+an H100 and 72 s on an H200 (2026-11-22), after TE's ~1-minute install. ``--smoke`` runs every section at toy sizes on any machine, TE or not (what needs
+TE or a GPU is recorded as skipped, with the reason); the CPU test suite runs it.
+
+Sections (each guarded: a failure is recorded with its error and traceback and the rest
+still runs; the JSON is rewritten after every section):
+
+``environment``
+    device name, driver (``nvidia-smi``), compute capability, memory, torch / CUDA / cuDNN /
+    Triton / TE / nvfp4lab versions, ``NVTE_*`` variables, UTC date.
+``probe``
+    ``nvfp4lab.probe.probe().to_dict()`` and its printed table.
+``nvfp4_refusal``
+    ``NVFP4BlockScaling`` on this GPU: TE's own ``is_nvfp4_available``; what
+    ``nvfp4lab.te.autocast`` raises (before TE is entered); what raw ``te.autocast`` raises,
+    whether that left TE's global autocast state switched on (TE mutates its state in
+    ``autocast_enter`` *before* asserting, and ``__exit__`` never runs), and whether FP8 still
+    works after the state is restored.
+``training``
+    the small GPT (preset ``laptop``: 4 blocks, width 128, context 128; batch 32 = 4096
+    tokens/step; 300 steps) trained on the built-in byte corpus from the same initial
+    weights and the same batches with: TE BF16 and TE FP8 current / delayed / block scaling
+    (``nvfp4lab.te_model``, ``--backend te``), TE NVFP4 (refused on Hopper, recorded),
+    nvfp4lab BF16 and nvfp4lab's emulated NVFP4 (``--backend nvfp4lab``, on CUDA: RHT + SR +
+    2D weights, first and last block in BF16). Per run: train loss per step, validation
+    curve, final losses, tokens/s (steps after the first 10, synchronized), peak CUDA memory.
+    The TE model differs from nvfp4lab's in LayerNorm bias, tanh-GELU and BF16 attention
+    (see :mod:`nvfp4lab.te_model`), so compare NVFP4 with ``nvfp4lab-bf16`` and FP8 with
+    ``te-bf16``. ``--runs ...,te-nvfp4-reference`` adds TE's NVFP4 reference emulation
+    through the TE model (not by default: slow).
+``reference_vs_nvfp4lab``
+    TE's NVFP4 reference (``make_recipe("nvfp4-reference")`` = ``CustomRecipe`` with
+    ``nvfp4_ref_rht_2d_factory``) on a bias-free ``te.Linear`` against nvfp4lab's
+    ``NVFP4Linear`` with SR disabled (TE's reference has none), RHT and 2D on, same weight,
+    input and output gradient: first the quantizers bit for bit (weight 16x16; input rowwise
+    and RHT'd columnwise), then the relative differences of y, dX, dW (see TOLERANCE_WHY).
+``linear_timings``
+    fwd+bwd of one linear layer, M=8192 tokens, K=N=4096, BF16 operands, bias-free: torch
+    ``nn.Linear`` BF16 (the baseline), TE BF16, TE FP8 current / delayed / block, TE NVFP4
+    reference (2 iterations: ~0.4 s each), nvfp4lab ``NVFP4Linear`` (RHT + SR + 2D). CUDA
+    events around each iteration after warm-up; median; ratio to the baseline. Also the
+    device's copy bandwidth and BF16 matmul TFLOP/s as cross-device baselines.
+
+JSON schema (``schema`` = ``"nvfp4lab.te_gpu_report/1"``)::
+
+    {schema, mode ("full"|"smoke"), argv, started_utc, total_seconds, files: {json, png},
+     sections: {<name>: {status: "ok"|"error"|"skipped", seconds, error?, traceback?, reason?, ...}}}
+
+    environment:  date_utc, python, platform, torch, cuda, cudnn, triton, transformer_engine,
+                  nvfp4lab, git_commit, gpu_available, device_name, compute_capability [maj, min],
+                  total_memory_bytes, device_count, driver_version, nvidia_smi, nvte_env {..}
+    probe:        caps (probe().to_dict()), table (str)
+    nvfp4_refusal: is_nvfp4_available [bool, reason], nvfp4lab_autocast {raised, type, message,
+                  reason, te_state_enabled_after}, raw_te_autocast {raised, type, message,
+                  te_state_enabled_after, autocast_depth_after, restored}, fp8_after_refusal_ok
+    training:     setup {preset, model (GPTConfig dict), batch_size, seq_len, tokens_per_step,
+                  steps, lr, warmup_steps, eval_every, eval_batches, corpus {..}, device, timing_skip},
+                  runs {<name>: {status ("ok"|"error"|"refused"|"skipped"), backend, precision,
+                  te_recipe, layers {nvfp4, fp8, high}, train_loss [per step], val_curve [[step, loss]],
+                  final_train_loss (mean of last 10 steps), final_val_loss, tokens_per_s,
+                  step_ms_median, peak_memory_bytes, peak_memory_kind, wall_s, error?}}
+    reference_vs_nvfp4lab: shape {M, K, N}, tolerance {rel_fro, why}, quantizer_bit_exact {..},
+                  cases {bf16: {y|dx|dw: {rel_fro_vs_te, max_abs_diff, frac_elements_differ,
+                  max_ulp_diff, rel_fro_te_vs_bf16, rel_fro_nvfp4lab_vs_bf16}}, fp32: {..}},
+                  passed (bool, the bf16 case)
+    linear_timings: shape {M, K, N}, method, device_baselines {copy_gb_s, bf16_matmul_tflops},
+                  results {<name>: {status, median_ms, min_ms, iters, tflops, vs_torch_bf16, error?}}
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+import types
+from pathlib import Path
+from typing import Any, Callable
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import torch.nn as nn  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+SCHEMA = "nvfp4lab.te_gpu_report/1"
+JSON_NAME = "te_gpu.json"
+PNG_NAME = "te_gpu.png"
+SECTIONS = ("environment", "probe", "nvfp4_refusal", "training", "reference_vs_nvfp4lab", "linear_timings")
+
+#: Reference-vs-nvfp4lab tolerance (relative Frobenius norm of the difference, BF16 outputs).
+REL_TOL = 1e-3
+TOLERANCE_WHY = (
+    "Both sides quantize bit-identically (checked first: codes, E4M3 block scales and amaxes of the "
+    "weight and of both input copies), and both apply the same FP32 factor amax_a*amax_b/(6*6*448*448). "
+    "Every product (code*scale) x (code*scale) is exact in FP32 (at most 2x(3+4) significant bits), so the "
+    "two can differ only in FP32 summation order: TE's reference qgemm sums one exact 16-wide block dot "
+    "product (times sx*sw) per K block in a Python loop, nvfp4lab runs one FP32 matmul over code*scale "
+    "values (cuBLAS order). When the partial sums also fit in 24 bits (typical: few mantissa bits, block "
+    "scales within a narrow range) the order does not matter and the results are bit-identical (see "
+    "frac_elements_differ; 0 on an H100 in the first recorded run). In general an order difference is "
+    "~1e-7 relative per element before the output cast, i.e. at most a 1-ulp flip of a few elements after "
+    "the cast to BF16. 1e-3 leaves margin for that, is 8x below TE's own tolerance for its NVFP4 GEMMs "
+    "(atol=rtol=8e-3) and ~100x below NVFP4's quantization error (~14 % here), so any real mismatch (a "
+    "wrong tile, scale, RHT sign or transpose) fails it. The fp32 case is informational: TE's reference "
+    "computes the RHT as an FP32 matmul, which is not exact for FP32 inputs (nvfp4lab computes the exact "
+    "sum rounded once), so dW differs in a few elements; TE's native RHT accepts only BF16."
+)
+
+
+# ----------------------------------------------------------------------------- helpers
+class Skip(Exception):
+    """Raised inside a section to record it as skipped (with the message as reason)."""
+
+
+def log(msg: str) -> None:
+    print(f"[gpu_te_report {time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def _exc(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
+
+
+def _tb() -> str:
+    return traceback.format_exc()[-3000:]
+
+
+def _te_or_skip():
+    """``transformer_engine.pytorch`` or :class:`Skip` with the reason (no TE / no GPU)."""
+    from nvfp4lab import te as T
+
+    if not torch.cuda.is_available():
+        raise Skip("needs a CUDA GPU (torch.cuda.is_available() is False)")
+    try:
+        return T.require_te()
+    except T.TransformerEngineUnavailable as exc:
+        raise Skip(f"Transformer Engine unavailable: {exc}") from None
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _write(report: dict[str, Any], out: Path) -> None:
+    tmp = out / (JSON_NAME + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(report, f, indent=1, default=str, allow_nan=True)
+        f.write("\n")
+    os.replace(tmp, out / JSON_NAME)
+
+
+def run_section(report: dict[str, Any], name: str, fn: Callable[[], dict[str, Any]], out: Path) -> None:
+    """Run one section; record its result or its error/skip; rewrite the JSON."""
+    log(f"section {name} ...")
+    t0 = time.perf_counter()
+    try:
+        data = fn()
+        entry = {"status": "ok", **data}
+    except Skip as exc:
+        entry = {"status": "skipped", "reason": str(exc)}
+    except Exception as exc:  # noqa: BLE001 - recorded, the report goes on
+        entry = {"status": "error", "error": _exc(exc), "traceback": _tb()}
+    entry["seconds"] = round(time.perf_counter() - t0, 3)
+    report["sections"][name] = entry
+    _write(report, out)
+    log(f"section {name}: {entry['status']} ({entry['seconds']:.1f} s)"
+        + (f" - {entry.get('error') or entry.get('reason')}" if entry["status"] != "ok" else ""))
+
+
+# ----------------------------------------------------------------------------- environment
+def _nvidia_smi() -> tuple[str | None, str | None]:
+    try:
+        r = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total,power.limit,clocks.max.sm",
+             "--format=csv,noheader"], capture_output=True, text=True, timeout=20)
+    except (OSError, subprocess.SubprocessError) as exc:
+        return None, _exc(exc)
+    line = r.stdout.strip().splitlines()[0] if r.stdout.strip() else None
+    if line is None:
+        return None, (r.stderr.strip() or f"nvidia-smi exit {r.returncode}")
+    return line, None
+
+
+def section_environment(args) -> dict[str, Any]:
+    import nvfp4lab
+
+    env: dict[str, Any] = {
+        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "nvfp4lab": nvfp4lab.__version__,
+        "gpu_available": torch.cuda.is_available(),
+        "nvte_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NVTE_")},
+        "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
+    }
+    try:
+        env["cudnn"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
+    except Exception as exc:  # noqa: BLE001 - e.g. TE loaded another cuDNN 9 first (see main)
+        env["cudnn"] = None
+        env["cudnn_error"] = _exc(exc)
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except Exception as exc:  # noqa: BLE001
+        env["triton"] = None
+        env["triton_error"] = _exc(exc)
+    from nvfp4lab.probe import import_transformer_engine
+
+    _mod, version, error = import_transformer_engine()
+    env["transformer_engine"] = version
+    env["transformer_engine_error"] = error
+    try:
+        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
+                                           text=True, timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        env["git_commit"] = None
+    if torch.cuda.is_available():
+        props = torch.cuda.get_device_properties(0)
+        env.update(device_name=props.name, compute_capability=list(torch.cuda.get_device_capability(0)),
+                   total_memory_bytes=int(props.total_memory), device_count=torch.cuda.device_count(),
+                   multiprocessors=props.multi_processor_count)
+        line, err = _nvidia_smi()
+        env["nvidia_smi"] = line or err
+        env["driver_version"] = line.split(",")[1].strip() if line and "," in line else None
+    else:
+        env.update(device_name=platform.processor() or "cpu", compute_capability=None,
+                   total_memory_bytes=None, device_count=0, nvidia_smi=None, driver_version=None)
+    return env
+
+
+def section_probe(args) -> dict[str, Any]:
+    from nvfp4lab.probe import format_table, probe
+
+    caps = probe()
+    return {"caps": caps.to_dict(), "table": format_table(caps)}
+
+
+# ----------------------------------------------------------------------------- NVFP4 refusal
+def section_nvfp4_refusal(args) -> dict[str, Any]:
+    te = _te_or_skip()
+    from transformer_engine.common import recipe as R
+    from transformer_engine.pytorch.quantization import FP8GlobalStateManager as G
+
+    from nvfp4lab import te as T
+
+    out: dict[str, Any] = {"is_nvfp4_available": list(te.is_nvfp4_available(return_reason=True))}
+
+    def state() -> tuple[bool, int]:
+        return bool(G.is_fp8_enabled()), int(G.quantization_state.autocast_depth)
+
+    before = state()
+    ours: dict[str, Any] = {"raised": False}
+    try:
+        with T.autocast(T.make_recipe("nvfp4")):
+            pass
+    except Exception as exc:  # noqa: BLE001
+        ours.update(raised=True, type=type(exc).__name__, message=str(exc), reason=getattr(exc, "reason", None))
+    ours["te_state_enabled_after"], ours["autocast_depth_after"] = state()
+    out["nvfp4lab_autocast"] = ours
+
+    raw: dict[str, Any] = {"raised": False}
+    snapshot = G.get_autocast_state()
+    depth = G.quantization_state.autocast_depth
+    try:
+        with te.autocast(enabled=True, recipe=R.NVFP4BlockScaling()):
+            raw["body_ran"] = True
+    except Exception as exc:  # noqa: BLE001
+        raw.update(raised=True, type=type(exc).__name__, message=str(exc))
+    raw["te_state_enabled_after"], raw["autocast_depth_after"] = state()
+    # TE 2.20 mutates its global state in autocast_enter before the assertion; __exit__ never
+    # runs, so restore it by hand (what nvfp4lab.te.autocast avoids by checking first).
+    G.set_autocast_state(snapshot)
+    G.quantization_state.autocast_depth = depth
+    raw["restored"] = state() == before
+    out["raw_te_autocast"] = raw
+    out["state_before"] = {"enabled": before[0], "autocast_depth": before[1]}
+
+    # FP8 still works afterwards.
+    lin = te.Linear(128, 128, bias=False, params_dtype=torch.bfloat16)
+    x = torch.randn(32, 128, device="cuda", dtype=torch.bfloat16)
+    with T.autocast("fp8-current"):
+        y = lin(x)
+    out["fp8_after_refusal_ok"] = bool(torch.isfinite(y).all())
+    return out
+
+
+# ----------------------------------------------------------------------------- training
+def _lr_at(step: int, lr: float, steps: int, warmup: int, min_frac: float = 0.1) -> float:
+    """Linear warm-up then cosine decay to ``min_frac * lr`` (as nvfp4lab.train.lr_at)."""
+    if warmup > 0 and step < warmup:
+        return lr * (step + 1) / warmup
+    progress = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
+    return lr * min_frac + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - lr * min_frac)
+
+
+def _param_groups(model: nn.Module, weight_decay: float):
+    seen, decay, no_decay = set(), [], []
+    for p in model.parameters():
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (decay if p.dim() >= 2 else no_decay).append(p)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.device) -> dict[str, Any]:
+    from nvfp4lab import te as T
+    from nvfp4lab.data import get_batch
+    from nvfp4lab.linear import convert_model, layer_precisions
+    from nvfp4lab.model import GPT
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    cfg, recipe = setup["config"], NVFP4Recipe()
+    backend, precision = spec["backend"], spec["precision"]
+    run: dict[str, Any] = {"backend": backend, "precision": precision, "te_recipe": None}
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    torch.manual_seed(setup["seed"])
+    t_start = time.perf_counter()
+    if backend == "te":
+        if device.type != "cuda":
+            raise Skip("--backend te needs a CUDA GPU")
+        from nvfp4lab.te_model import build_te_model
+
+        try:
+            model = build_te_model(cfg, precision, recipe, device=device)
+        except T.TransformerEngineUnavailable as exc:
+            raise Skip(f"Transformer Engine unavailable: {str(exc).splitlines()[0]}") from None
+        run["te_recipe"] = type(model.te_recipe).__name__ if model.te_recipe is not None else None
+        run["layers"] = model.layer_counts()
+    else:
+        model = GPT(cfg).to(device)
+        sr_gen = torch.Generator(device=device).manual_seed(setup["seed"] + 1_000_003)
+        convert_model(model, precision, recipe, generator=sr_gen)
+        counts: dict[str, int] = {"nvfp4": 0, "fp8": 0, "high": 0}
+        for v in layer_precisions(model).values():
+            counts[v] = counts.get(v, 0) + 1
+        run["layers"] = counts
+    opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=setup["lr"], betas=(0.9, 0.95), eps=1e-8)
+    params = [p for g in opt.param_groups for p in g["params"]]
+    data_gen = torch.Generator().manual_seed(setup["seed"] + 2_000_003)
+    amp = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision != "fp32"
+           else contextlib.nullcontext())
+
+    def evaluate() -> float:
+        model.eval()
+        total = 0.0
+        with torch.no_grad():
+            for x, y in data["val_batches"]:
+                with amp:
+                    _, loss = model(x.to(device), y.to(device))
+                total += float(loss)
+        model.train()
+        return total / len(data["val_batches"])
+
+    steps, losses, step_s, val_curve = setup["steps"], [], [], []
+    model.train()
+    for step in range(steps):
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, setup["lr"], steps, setup["warmup_steps"])
+        x, y = get_batch(data["train"], setup["batch_size"], setup["seq_len"], data_gen)
+        _sync(device)
+        t0 = time.perf_counter()
+        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
+        opt.zero_grad(set_to_none=True)
+        with amp:
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        value = float(loss.detach())  # synchronizes
+        step_s.append(time.perf_counter() - t0)
+        if not math.isfinite(value):
+            run.update(status="error", error=f"non-finite loss {value} at step {step}")
+            break
+        losses.append(value)
+        if (step + 1) % setup["eval_every"] == 0 or step + 1 == steps:
+            val_curve.append([step + 1, evaluate()])
+    timed = step_s[setup["timing_skip"]:] or step_s
+    run.update(
+        status=run.get("status", "ok"),
+        train_loss=[round(v, 5) for v in losses],
+        val_curve=[[s, round(v, 5)] for s, v in val_curve],
+        final_train_loss=statistics.fmean(losses[-10:]) if losses else None,
+        final_val_loss=val_curve[-1][1] if val_curve else None,
+        tokens_per_s=setup["tokens_per_step"] * len(timed) / sum(timed) if timed else None,
+        step_ms_median=1e3 * statistics.median(timed) if timed else None,
+        wall_s=round(time.perf_counter() - t_start, 3),
+        num_parameters=int(model.num_parameters()),
+    )
+    if device.type == "cuda":
+        run.update(peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)),
+                   peak_memory_kind="torch.cuda.max_memory_allocated (weights, AdamW state, activations)")
+    else:
+        run.update(peak_memory_bytes=None, peak_memory_kind="not measured on CPU")
+    del model, opt
+    return run
+
+
+TRAIN_RUNS = (
+    {"name": "te-bf16", "backend": "te", "precision": "bf16"},
+    {"name": "te-fp8-current", "backend": "te", "precision": "fp8-current"},
+    {"name": "te-fp8-delayed", "backend": "te", "precision": "fp8-delayed"},
+    {"name": "te-fp8-block", "backend": "te", "precision": "fp8-block"},
+    {"name": "te-nvfp4", "backend": "te", "precision": "nvfp4"},
+    {"name": "nvfp4lab-bf16", "backend": "nvfp4lab", "precision": "bf16"},
+    {"name": "nvfp4lab-nvfp4", "backend": "nvfp4lab", "precision": "nvfp4"},
+)
+#: Only when named in --runs: TE's pure-PyTorch NVFP4 reference through the TE model (slow).
+OPTIONAL_RUNS = (
+    {"name": "te-nvfp4-reference", "backend": "te", "precision": "nvfp4-reference"},
+)
+
+
+def section_training(args, device: torch.device) -> dict[str, Any]:
+    import dataclasses
+
+    from nvfp4lab import te as T
+    from nvfp4lab.data import ByteTokenizer, load_corpus, split_tokens, validation_batches
+    from nvfp4lab.model import get_preset
+
+    cfg = get_preset(args.preset)
+    if args.seq_len:
+        cfg = dataclasses.replace(cfg, block_size=args.seq_len)
+    setup: dict[str, Any] = {
+        "preset": args.preset, "config": cfg, "batch_size": args.batch_size, "seq_len": cfg.block_size,
+        "tokens_per_step": args.batch_size * cfg.block_size, "steps": args.train_steps, "lr": args.lr,
+        "warmup_steps": max(1, args.train_steps // 10), "eval_every": max(1, args.train_steps // 6),
+        "eval_batches": args.eval_batches, "seed": args.seed, "device": str(device),
+        "timing_skip": min(10, max(0, args.train_steps - 1)),
+        "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1 on matrices), grad clip 1.0, "
+                     "linear warm-up (10% of steps) then cosine to 0.1*lr",
+        "autocast": "torch.autocast(bfloat16) around the forward pass (FP32 master weights)",
+        "nvfp4lab_nvfp4_recipe": "NVFP4Recipe(): RHT + SR + 2D weights, first and last block BF16, head BF16",
+    }
+    corpus = load_corpus(args.text)
+    tok = ByteTokenizer()
+    split = split_tokens(tok.encode(corpus.text))
+    data = {"train": split.train,
+            "val_batches": validation_batches(split.val, args.batch_size, cfg.block_size, args.eval_batches)}
+    setup["corpus"] = corpus.describe()
+    runs: dict[str, Any] = {}
+    if args.runs:
+        wanted = [r for r in TRAIN_RUNS + OPTIONAL_RUNS if r["name"] in args.runs]
+    else:
+        wanted = list(TRAIN_RUNS)
+    for spec in wanted:
+        log(f"  training {spec['name']} ...")
+        try:
+            runs[spec["name"]] = _train_one(spec, setup, data, device)
+        except Skip as exc:
+            runs[spec["name"]] = {"status": "skipped", "reason": str(exc), **_spec_fields(spec)}
+        except T.RecipeNotSupported as exc:  # NVFP4NotSupported included
+            runs[spec["name"]] = {"status": "refused", "error": _exc(exc), "reason": exc.reason,
+                                  **_spec_fields(spec)}
+        except Exception as exc:  # noqa: BLE001
+            runs[spec["name"]] = {"status": "error", "error": _exc(exc), "traceback": _tb(), **_spec_fields(spec)}
+        r = runs[spec["name"]]
+        if r["status"] == "ok":
+            log(f"  {spec['name']}: final train {r['final_train_loss']:.4f}, val {r['final_val_loss']:.4f}, "
+                f"{r['tokens_per_s']:,.0f} tok/s, {r['wall_s']:.1f} s")
+        else:
+            log(f"  {spec['name']}: {r['status']}: {r.get('error') or r.get('reason')}")
+    setup["config"] = cfg.to_dict()
+    return {"setup": setup, "runs": runs}
+
+
+def _spec_fields(spec: dict[str, Any]) -> dict[str, Any]:
+    return {"backend": spec["backend"], "precision": spec["precision"]}
+
+
+# ----------------------------------------------------------------------------- reference vs nvfp4lab
+def _ordered_bits(t: torch.Tensor) -> torch.Tensor:
+    """Map BF16/FP32 bit patterns to integers that are monotone in the value (for ulp distances)."""
+    if t.dtype == torch.bfloat16:
+        i = t.contiguous().view(torch.int16).to(torch.int64)
+        mag = i & 0x7FFF
+    else:
+        i = t.float().contiguous().view(torch.int32).to(torch.int64)
+        mag = i & 0x7FFFFFFF
+    return torch.where(i < 0, -mag, mag)
+
+
+def _diff_stats(ours: torch.Tensor, theirs: torch.Tensor, exact: torch.Tensor) -> dict[str, Any]:
+    a, b, e = ours.detach(), theirs.detach(), exact.detach().float()
+    d = (a.float() - b.float())
+    same = torch.signbit(a.float()) == torch.signbit(b.float())
+    return {
+        "rel_fro_vs_te": float(d.norm() / b.float().norm()),
+        "max_abs_diff": float(d.abs().max()),
+        "max_abs_te": float(b.float().abs().max()),
+        "frac_elements_differ": float((a != b).float().mean()),
+        # ulp distance among elements of equal sign; a sign flip (both values tiny) is counted apart
+        "max_ulp_diff": int(((_ordered_bits(a) - _ordered_bits(b)).abs() * same).max()) if same.any() else 0,
+        "sign_flips": int((~same).sum()),
+        "rel_fro_te_vs_unquantized": float((b.float() - e).norm() / e.norm()),
+        "rel_fro_nvfp4lab_vs_unquantized": float((a.float() - e).norm() / e.norm()),
+    }
+
+
+def _quantizer_bit_exact(w: torch.Tensor, x: torch.Tensor) -> dict[str, Any]:
+    """TE's reference quantizers (the roles of nvfp4_ref_rht_2d_factory) vs nvfp4lab.quantize, bit for bit."""
+    from transformer_engine.pytorch.custom_recipes.reference_nvfp4 import nvfp4_ref_rht_2d_factory
+
+    from nvfp4lab.quantize import quantize
+
+    def role(tensor_type: str):
+        return types.SimpleNamespace(module_type="linear", tensor_type=tensor_type, name="")
+
+    res: dict[str, Any] = {}
+    qw = nvfp4_ref_rht_2d_factory(role("weight")).quantize(w)
+    ow, owt = quantize(w, block="2d"), quantize(w.t().contiguous(), block="2d")
+    res["weight_rowwise_2d"] = bool(
+        torch.equal(ow.data, qw.data) and torch.equal(ow.rowwise_scale.view(torch.uint8),
+                                                      qw.scale.view(torch.uint8)[: w.shape[0]])
+        and torch.equal(ow.amax.reshape(1), qw.global_amax_row.reshape(1)))
+    res["weight_columnwise_2d"] = bool(
+        torch.equal(owt.data, qw.data_t) and torch.equal(owt.rowwise_scale.view(torch.uint8),
+                                                         qw.scale_t.view(torch.uint8)[: w.shape[1]]))
+    qx = nvfp4_ref_rht_2d_factory(role("input")).quantize(x)
+    ox, oxt = quantize(x), quantize(x.t().contiguous(), rht=True)
+    res["input_rowwise_1x16"] = bool(
+        torch.equal(ox.data, qx.data) and torch.equal(ox.scale.view(torch.uint8), qx.scale.view(torch.uint8))
+        and torch.equal(ox.amax.reshape(1), qx.global_amax_row.reshape(1)))
+    res["input_columnwise_1x16_rht"] = bool(
+        torch.equal(oxt.data, qx.data_t) and torch.equal(oxt.scale.view(torch.uint8), qx.scale_t.view(torch.uint8))
+        and torch.equal(oxt.amax.reshape(1), qx.global_amax_col.reshape(1)))
+    res["all"] = all(res.values())
+    return res
+
+
+def compare_reference(M: int, K: int, N: int, dtype: torch.dtype, seed: int = 0) -> dict[str, Any]:
+    """TE NVFP4 reference (CustomRecipe) on a bias-free te.Linear vs nvfp4lab NVFP4Linear (SR off)."""
+    te = _te_or_skip()
+    from nvfp4lab import te as T
+    from nvfp4lab.linear import NVFP4Linear
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    dev = torch.device("cuda")
+    torch.manual_seed(seed)
+    lin = te.Linear(K, N, bias=False, params_dtype=dtype)
+    w = lin.weight.detach().clone()
+    x = torch.randn(M, K, device=dev, dtype=dtype)
+    g = torch.randn(M, N, device=dev, dtype=dtype)
+
+    x_te = x.clone().requires_grad_()
+    with T.autocast(T.make_recipe("nvfp4-reference")):
+        y_te = lin(x_te)
+    y_te.backward(g)
+
+    ours = NVFP4Linear(K, N, bias=False, device=dev, dtype=dtype,
+                       recipe=NVFP4Recipe(disable_stochastic_rounding=True))
+    with torch.no_grad():
+        ours.weight.copy_(w)
+    x_l = x.clone().requires_grad_()
+    y_l = ours(x_l)
+    y_l.backward(g)
+
+    xf, wf, gf = x.double(), w.double(), g.double()  # unquantized products, for scale
+    out = {
+        "y": _diff_stats(y_l, y_te, xf @ wf.t()),
+        "dx": _diff_stats(x_l.grad, x_te.grad, gf @ wf),
+        "dw": _diff_stats(ours.weight.grad, lin.weight.grad, gf.t() @ xf),
+        "dtype": str(dtype).replace("torch.", ""),
+    }
+    if dtype == torch.bfloat16:
+        out["quantizer_bit_exact"] = _quantizer_bit_exact(w, x)
+    return out
+
+
+def section_reference(args) -> dict[str, Any]:
+    _te_or_skip()
+    M, K, N = (64, 128, 64) if args.smoke else (512, 1024, 512)
+    cases: dict[str, Any] = {}
+    errors: dict[str, str] = {}
+    for name, dtype in (("bf16", torch.bfloat16), ("fp32", torch.float32)):
+        try:
+            cases[name] = compare_reference(M, K, N, dtype, args.seed)
+        except Exception as exc:  # noqa: BLE001
+            errors[name] = _exc(exc)
+            cases[name] = {"status": "error", "error": _exc(exc), "traceback": _tb()}
+    bf16 = cases.get("bf16", {})
+    passed = ("y" in bf16 and all(bf16[k]["rel_fro_vs_te"] <= REL_TOL for k in ("y", "dx", "dw"))
+              and bf16.get("quantizer_bit_exact", {}).get("all", False))
+    res = {
+        "shape": {"M": M, "K": K, "N": N},
+        "setup": "te.Linear(K, N, bias=False) under nvfp4lab.te.autocast(make_recipe('nvfp4-reference')) vs "
+                 "NVFP4Linear(K, N, bias=False, recipe=NVFP4Recipe(disable_stochastic_rounding=True)) "
+                 "(RHT on Wgrad operands, 16x16 weight tiles); same weight, x ~ N(0,1), dY ~ N(0,1)",
+        "tolerance": {"rel_fro": REL_TOL, "applies_to": "bf16 case: y, dx, dw", "why": TOLERANCE_WHY},
+        "cases": cases,
+        "passed": bool(passed),
+    }
+    if "quantizer_bit_exact" in bf16:
+        res["quantizer_bit_exact"] = bf16["quantizer_bit_exact"]
+    if errors:
+        res["case_errors"] = errors
+    return res
+
+
+# ----------------------------------------------------------------------------- linear timings
+def _time(step: Callable[[], None], iters: int, warmup: int, device: torch.device) -> list[float]:
+    """Milliseconds per call of ``step`` (CUDA events around each call after ``warmup`` calls)."""
+    for _ in range(warmup):
+        step()
+    _sync(device)
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            step()
+            b.record()
+            b.synchronize()
+            times.append(a.elapsed_time(b))
+        else:
+            t0 = time.perf_counter()
+            step()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def _device_baselines(device: torch.device, smoke: bool) -> dict[str, Any]:
+    n = 1 << (18 if smoke else 28)  # fp32 elements per buffer: 1 MiB (smoke) or 1 GiB
+    src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
+    dst = torch.empty_like(src)
+    t = _time(lambda: dst.copy_(src), 5 if smoke else 20, 2, device)
+    copy = 2 * src.numel() * 4 / (statistics.median(t) * 1e-3) / 1e9
+    s = 256 if smoke else 8192
+    a = torch.randn(s, s, device=device, dtype=torch.bfloat16)
+    b = torch.randn(s, s, device=device, dtype=torch.bfloat16)
+    t = _time(lambda: a @ b, 3 if smoke else 20, 2, device)
+    return {"copy_gb_s": copy, "copy_bytes_moved": 2 * src.numel() * 4,
+            "bf16_matmul_tflops": 2 * s**3 / (statistics.median(t) * 1e-3) / 1e12, "bf16_matmul_size": s}
+
+
+def section_linear_timings(args, device: torch.device) -> dict[str, Any]:
+    from nvfp4lab import te as T
+    from nvfp4lab.linear import NVFP4Linear
+
+    M, K, N = (64, 64, 64) if args.smoke else (8192, 4096, 4096)
+    dtype = torch.bfloat16
+    iters, warmup = (2, 1) if args.smoke else (20, 5)
+    res: dict[str, Any] = {
+        "shape": {"M": M, "K": K, "N": N},
+        "method": (f"fwd+bwd (y = layer(x); y.backward(dy)) with BF16 x [M, K], dy [M, N], bias-free layers; "
+                   f"{warmup} warm-up iterations, then CUDA events around each of {iters} iterations "
+                   "(fewer for the slow emulations, see iters); median. TFLOP/s counts 6*M*N*K."),
+        "device": str(device),
+    }
+    try:
+        res["device_baselines"] = _device_baselines(device, args.smoke)
+    except Exception as exc:  # noqa: BLE001
+        res["device_baselines"] = {"error": _exc(exc)}
+    torch.manual_seed(args.seed)
+    x = torch.randn(M, K, device=device, dtype=dtype, requires_grad=True)
+    g = torch.randn(M, N, device=device, dtype=dtype)
+
+    def fwd_bwd(layer: nn.Module, ctx: Callable[[], Any] = contextlib.nullcontext) -> Callable[[], None]:
+        def step() -> None:
+            x.grad = None
+            for p in layer.parameters():
+                p.grad = None
+            with ctx():
+                y = layer(x)
+            y.backward(g)
+        return step
+
+    def te_layer():
+        te = _te_or_skip()
+        return te.Linear(K, N, bias=False, params_dtype=dtype, device=device)
+
+    configs: list[tuple[str, Callable[[], tuple[Callable[[], None], int, int]]]] = [
+        ("torch-bf16", lambda: (fwd_bwd(nn.Linear(K, N, bias=False, device=device, dtype=dtype)), iters, warmup)),
+        ("te-bf16", lambda: (fwd_bwd(te_layer()), iters, warmup)),
+    ]
+    def te_recipe_step(name: str, n_iter: int, n_warm: int):
+        layer = te_layer()
+        recipe = T.make_recipe(name)  # one recipe object per layer (TE keys its amax state on it)
+        return fwd_bwd(layer, lambda: T.autocast(recipe)), n_iter, n_warm
+
+    for name in ("fp8-current", "fp8-delayed", "fp8-block"):
+        configs.append((f"te-{name}", lambda name=name: te_recipe_step(name, iters, warmup)))
+    # TE's NVFP4 emulation loops over K/16 slices in Python: ~0.4 s per fwd+bwd at this shape.
+    configs.append(("te-nvfp4-reference", lambda: te_recipe_step("nvfp4-reference", 2, 1)))
+    configs.append(("nvfp4lab-nvfp4", lambda: (
+        fwd_bwd(NVFP4Linear(K, N, bias=False, device=device, dtype=dtype)), min(iters, 5), min(warmup, 2))))
+
+    results: dict[str, Any] = {}
+    flops = 6.0 * M * N * K
+    for name, make in configs:
+        try:
+            step, n_iter, n_warm = make()
+            times = _time(step, n_iter, n_warm, device)
+            med = statistics.median(times)
+            results[name] = {"status": "ok", "median_ms": med, "min_ms": min(times), "iters": n_iter,
+                             "warmup": n_warm, "tflops": flops / (med * 1e-3) / 1e12}
+        except Skip as exc:
+            results[name] = {"status": "skipped", "reason": str(exc)}
+        except Exception as exc:  # noqa: BLE001
+            results[name] = {"status": "error", "error": _exc(exc), "traceback": _tb()}
+        finally:
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        r = results[name]
+        log(f"  {name}: " + (f"{r['median_ms']:.3f} ms" if r["status"] == "ok" else f"{r['status']}: "
+                                                                                   f"{r.get('error') or r.get('reason')}"))
+    base = results.get("torch-bf16", {}).get("median_ms")
+    for r in results.values():
+        if r.get("status") == "ok" and base:
+            r["vs_torch_bf16"] = r["median_ms"] / base
+    res["results"] = results
+    return res
+
+
+# ----------------------------------------------------------------------------- plot
+def _moving_average(values: list[float], k: int) -> list[float]:
+    out, acc = [], 0.0
+    for j, v in enumerate(values):
+        acc += v
+        if j >= k:
+            acc -= values[j - k]
+        out.append(acc / min(j + 1, k))
+    return out
+
+
+def make_plot(report: dict[str, Any], path: Path) -> str:
+    """Three panels: training loss, loss gap to the same backend's BF16 run, linear-layer times."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    env = report["sections"].get("environment", {})
+    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(17, 4.8))
+    runs = report["sections"].get("training", {}).get("runs", {})
+    ok = {n: r for n, r in runs.items() if r.get("status") == "ok" and r.get("train_loss")}
+    colors = {n: f"C{i}" for i, n in enumerate(runs)}
+    for name, r in ok.items():
+        loss = r["train_loss"]
+        k = max(1, len(loss) // 30)
+        ax1.plot(range(1, len(loss) + 1), _moving_average(loss, k), color=colors[name], lw=1.2,
+                 label=f"{name} (val {r['final_val_loss']:.4f})" if r.get("final_val_loss") is not None else name)
+        if r.get("val_curve"):
+            s, v = zip(*r["val_curve"])
+            ax1.plot(s, v, "o", color=colors[name], ms=3)
+        base = ok.get(f"{r['backend']}-bf16")
+        if base is not None and base is not r and len(base["train_loss"]) == len(loss):
+            gap = [a - b for a, b in zip(loss, base["train_loss"])]  # same batches: a paired difference
+            k2 = max(1, len(gap) // 10)
+            ax3.plot(range(1, len(gap) + 1), _moving_average(gap, k2), color=colors[name], lw=1.2,
+                     label=f"{name} - {r['backend']}-bf16")
+    ax1.set_xlabel("step")
+    ax1.set_ylabel("loss (nats / byte)")
+    ax1.set_title("small GPT: train loss (moving avg), validation (dots)")
+    ax1.grid(alpha=0.3)
+    if ax1.lines:
+        ax1.legend(fontsize=7)
+    ax3.axhline(0.0, color="0.5", lw=0.8)
+    ax3.set_xlabel("step")
+    ax3.set_ylabel("train-loss difference (nats / byte)")
+    ax3.set_title("gap to BF16 of the same backend (moving avg)")
+    ax3.grid(alpha=0.3)
+    if ax3.lines[1:]:
+        ax3.legend(fontsize=7)
+    lt = report["sections"].get("linear_timings", {})
+    rows = [(n, r["median_ms"]) for n, r in lt.get("results", {}).items() if r.get("status") == "ok"]
+    if rows:
+        names, ms = zip(*rows)
+        ax2.barh(range(len(ms)), ms, color=[f"C{i}" for i in range(len(ms))])
+        ax2.set_yticks(range(len(ms)), names, fontsize=8)
+        ax2.set_xscale("log")
+        ax2.invert_yaxis()
+        for i, v in enumerate(ms):
+            ax2.text(v, i, f" {v:.3g} ms", va="center", fontsize=7)
+    shape = lt.get("shape", {})
+    ax2.set_xlabel("fwd+bwd time (ms, log scale)")
+    ax2.set_title(f"one linear layer, M={shape.get('M')}, K={shape.get('K')}, N={shape.get('N')}")
+    ax2.grid(alpha=0.3, axis="x")
+    fig.suptitle(f"{env.get('device_name', '?')} | torch {env.get('torch')} | TE {env.get('transformer_engine')} "
+                 f"| {env.get('date_utc', '')}", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return str(path)
+
+
+# ----------------------------------------------------------------------------- main
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=str(ROOT / "results"), help="output folder (default results/)")
+    p.add_argument("--smoke", action="store_true",
+                   help="toy sizes, any machine (CPU without TE included); TE/GPU sections recorded as skipped")
+    p.add_argument("--device", default=None, help="torch device (default: cuda if available, else cpu)")
+    p.add_argument("--sections", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--runs", default="", help="comma-separated training runs (default: "
+                   f"{', '.join(r['name'] for r in TRAIN_RUNS)}; also available: "
+                   f"{', '.join(r['name'] for r in OPTIONAL_RUNS)})")
+    p.add_argument("--preset", default=None, help="model preset (default laptop; smoke: ci)")
+    p.add_argument("--seq-len", type=int, default=None, help="override the preset's context length (smoke: 32)")
+    p.add_argument("--batch-size", type=int, default=None, help="sequences per step (default 32; smoke 2)")
+    p.add_argument("--train-steps", type=int, default=None, help="steps per run (default 300; smoke 2)")
+    p.add_argument("--lr", type=float, default=2e-3, help="peak learning rate (default 2e-3)")
+    p.add_argument("--eval-batches", type=int, default=None, help="validation batches (default 8; smoke 1)")
+    p.add_argument("--text", default=None, help="corpus file/folder (default: built-in pydoc_data.topics)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--no-plot", action="store_true")
+    p.add_argument("--strict", action="store_true", help="exit 1 if any section ends in 'error'")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)
+    smoke = args.smoke
+    args.preset = args.preset or ("ci" if smoke else "laptop")
+    args.batch_size = args.batch_size or (2 if smoke else 32)
+    args.train_steps = args.train_steps or (2 if smoke else 300)
+    if smoke and args.seq_len is None:
+        args.seq_len = 32
+    args.eval_batches = args.eval_batches or (1 if smoke else 8)
+    args.runs = [r.strip() for r in args.runs.split(",") if r.strip()]
+    sections = [s.strip() for s in args.sections.split(",") if s.strip()]
+    unknown = [s for s in sections if s not in SECTIONS]
+    unknown += [r for r in args.runs if r not in {x["name"] for x in TRAIN_RUNS + OPTIONAL_RUNS}]
+    if unknown:
+        print(f"unknown section(s) or run(s) {unknown}; sections: {SECTIONS}; runs: "
+              f"{[x['name'] for x in TRAIN_RUNS + OPTIONAL_RUNS]}", file=sys.stderr)
+        return 2
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    # Import TE before anything initializes cuDNN: on the lent H100 a system cuDNN 9 in
+    # /lib/x86_64-linux-gnu clashes with the one torch has loaded once torch.backends.cudnn
+    # was queried, and TE's import then fails with an undefined cudnn symbol.
+    from nvfp4lab.probe import import_transformer_engine
+
+    import_transformer_engine()
+    threads = torch.get_num_threads()
+    if smoke and device.type == "cpu":
+        torch.set_num_threads(1)  # toy sizes: threads only add overhead on a shared CPU
+    try:
+        return _run(args, sections, device)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run(args: argparse.Namespace, sections: list[str], device: torch.device) -> int:
+    smoke = args.smoke
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    report: dict[str, Any] = {
+        "schema": SCHEMA, "mode": "smoke" if smoke else "full", "argv": args.argv,
+        "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "files": {"json": JSON_NAME, "png": None}, "sections": {},
+    }
+    fns = {
+        "environment": lambda: section_environment(args),
+        "probe": lambda: section_probe(args),
+        "nvfp4_refusal": lambda: section_nvfp4_refusal(args),
+        "training": lambda: section_training(args, device),
+        "reference_vs_nvfp4lab": lambda: section_reference(args),
+        "linear_timings": lambda: section_linear_timings(args, device),
+    }
+    for name in SECTIONS:
+        if name in sections:
+            run_section(report, name, fns[name], out)
+    if not args.no_plot:
+        try:
+            make_plot(report, out / PNG_NAME)
+            report["files"]["png"] = PNG_NAME
+        except Exception as exc:  # noqa: BLE001
+            report["plot_error"] = _exc(exc)
+    report["total_seconds"] = round(time.perf_counter() - t0, 2)
+    _write(report, out)
+    statuses = {k: v["status"] for k, v in report["sections"].items()}
+    log(f"done in {report['total_seconds']:.1f} s: {statuses}; wrote {out / JSON_NAME}")
+    if args.strict and any(s == "error" for s in statuses.values()):
+        return 1
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
