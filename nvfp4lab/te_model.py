@@ -116,6 +116,7 @@ __all__ = [
     "GPT_TO_TE_MODULES",
     "BLOCK_IMPLS",
     "TEGPT",
+    "TEBlock",
     "build_te_model",
     "te_recipe_name",
     "quantized_blocks",
