@@ -70,6 +70,8 @@ __all__ = [
     "quantize_mxfp4",
     "quantize_per_tensor_fp4",
     "fake_quantize_fp4",
+    "SYNTHETIC_KINDS",
+    "synthetic_tensor",
 ]
 
 #: Elements per MX block (OCP MX v1.0: ``k = 32`` for every concrete MX format).
@@ -290,3 +292,60 @@ def quantize_per_tensor_fp4(x: torch.Tensor, **options) -> FP4BlockTensor:
 def fake_quantize_fp4(x: torch.Tensor, block_size: int | None = 16, scale_format: ScaleFormat = "e4m3", **options) -> torch.Tensor:
     """Quantize with :func:`quantize_fp4` and dequantize to ``x``'s shape and dtype."""
     return quantize_fp4(x, block_size, scale_format, **options).dequantize(x.dtype)
+
+
+#: The synthetic distributions of :func:`synthetic_tensor`.
+SYNTHETIC_KINDS = ("gaussian", "student_t", "outlier_channels", "lognormal_rows")
+
+
+def synthetic_tensor(
+    kind: str,
+    rows: int,
+    cols: int,
+    *,
+    generator: torch.Generator | None = None,
+    outlier_scale: float = 30.0,
+    outlier_fraction: float = 1 / 128,
+) -> torch.Tensor:
+    """A float32 ``[rows, cols]`` test tensor with one of four distributions.
+
+    These are *synthetic* stand-ins, not tensors from a trained model (torch ships
+    no pretrained weights and the book builds offline). Blocks run along ``cols``.
+
+    * ``"gaussian"``: ``N(0, 0.02²)``, a freshly initialised weight (GPT-2-style std 0.02).
+    * ``"student_t"``: Student-t with 3 degrees of freedom times 0.02: heavy tails,
+      a stand-in for trained weights, which are often heavier-tailed than their init.
+    * ``"outlier_channels"``: ``N(0, 1)`` activations in which a ``outlier_fraction`` of
+      the columns (hidden channels; at least one) is multiplied by ``outlier_scale``,
+      the pattern of outlier features reported in LLM activations.
+    * ``"lognormal_rows"``: ``N(0, 1)`` rows each multiplied by ``exp(2·N(0, 1))``: rows
+      (tokens) whose magnitudes span orders of magnitude, a stress test for scaling.
+
+    Raises:
+        ValueError: unknown ``kind``, non-positive sizes, ``outlier_scale <= 0`` or
+        ``outlier_fraction`` outside ``[0, 1]``.
+    """
+    if kind not in SYNTHETIC_KINDS:
+        raise ValueError(f"kind must be one of {SYNTHETIC_KINDS}, got {kind!r}")
+    if rows < 1 or cols < 1:
+        raise ValueError(f"rows and cols must be positive, got {rows}x{cols}")
+    if not outlier_scale > 0 or not 0 <= outlier_fraction <= 1:
+        raise ValueError("outlier_scale must be > 0 and outlier_fraction in [0, 1]")
+    g = generator
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=g)
+
+    if kind == "gaussian":
+        return 0.02 * randn(rows, cols)
+    if kind == "student_t":
+        df = 3
+        chi2 = (randn(df, rows, cols) ** 2).sum(0)
+        return 0.02 * randn(rows, cols) / torch.sqrt(chi2 / df)
+    if kind == "outlier_channels":
+        x = randn(rows, cols)
+        n_out = max(1, round(cols * outlier_fraction))
+        idx = torch.randperm(cols, generator=g)[:n_out]
+        x[:, idx] *= outlier_scale
+        return x
+    return randn(rows, cols) * torch.exp(2.0 * randn(rows, 1))

@@ -15,6 +15,8 @@ from nvfp4lab.variants import (
     quantize_fp4,
     quantize_mxfp4,
     quantize_per_tensor_fp4,
+    SYNTHETIC_KINDS,
+    synthetic_tensor,
 )
 
 GRID = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0])
@@ -222,3 +224,36 @@ def test_error_bounded_by_block_amax(values, cfg):
     # no element moves by more than its block's amax (half the top E2M1 step is amax/6,
     # MX clipping loses at most a quarter of amax, E4M3 scale rounding adds 1/16)
     assert ((x - xd).abs() <= bam * 0.5 + 1e-30).all()
+
+
+# ---- synthetic data -----------------------------------------------------------------
+
+@pytest.mark.parametrize("kind", SYNTHETIC_KINDS)
+def test_synthetic_tensor_is_reproducible(kind):
+    a = synthetic_tensor(kind, 32, 256, generator=torch.Generator().manual_seed(1))
+    b = synthetic_tensor(kind, 32, 256, generator=torch.Generator().manual_seed(1))
+    assert a.shape == (32, 256) and a.dtype == torch.float32
+    assert torch.equal(a, b) and torch.isfinite(a).all()
+
+
+def test_synthetic_outlier_channels():
+    x = synthetic_tensor("outlier_channels", 512, 256, generator=torch.Generator().manual_seed(0),
+                         outlier_scale=50.0, outlier_fraction=2 / 256)
+    col_rms = x.pow(2).mean(0).sqrt()
+    assert (col_rms > 10).sum() == 2
+
+
+def test_synthetic_kurtosis_ordering():
+    g = torch.Generator().manual_seed(0)
+
+    def kurt(x):
+        x = x.flatten().double()
+        return float(((x - x.mean()) ** 4).mean() / x.var() ** 2)
+
+    assert abs(kurt(synthetic_tensor("gaussian", 256, 256, generator=g)) - 3) < 0.2
+    assert kurt(synthetic_tensor("student_t", 256, 256, generator=g)) > 6
+
+
+def test_synthetic_bad_kind():
+    with pytest.raises(ValueError, match="kind"):
+        synthetic_tensor("uniform", 4, 4)
