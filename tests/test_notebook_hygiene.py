@@ -1,0 +1,54 @@
+"""Notebooks are committed clean: no outputs, no execution counts, a python3 kernelspec, and a
+first code cell tagged ``parameters`` that sets ``smoke = False`` (papermill's entry point).
+
+Strip a notebook with ``nbstripout --extra-keys "metadata.papermill cell.metadata.papermill
+cell.metadata.execution" NOTEBOOK``. Notebooks named ``*_gpu.ipynb`` keep their outputs (they need a
+GPU the book build does not have) and are exempt from the output checks.
+"""
+
+import re
+from pathlib import Path
+
+import pytest
+
+nbformat = pytest.importorskip("nbformat")
+
+ROOT = Path(__file__).resolve().parents[1]
+NOTEBOOKS = sorted(
+    p for d in ("book", "labs") for p in (ROOT / d).rglob("*.ipynb") if ".ipynb_checkpoints" not in p.parts
+)
+SMOKE = re.compile(r"^smoke\s*=\s*False\b", re.MULTILINE)
+
+
+def _ids(p):
+    return str(p.relative_to(ROOT))
+
+
+def test_there_are_notebooks():
+    assert NOTEBOOKS, "no notebooks found under book/ or labs/"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_notebook_is_valid_and_has_python3_kernel(path):
+    nb = nbformat.read(path, as_version=4)
+    nbformat.validate(nb)
+    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", "kernelspec name must be python3"
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if not p.name.endswith("_gpu.ipynb")], ids=_ids)
+def test_notebook_has_no_outputs(path):
+    nb = nbformat.read(path, as_version=4)
+    dirty = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and (c.outputs or c.execution_count is not None)]
+    assert not dirty, f"cells {dirty} have outputs or execution counts: run nbstripout on {path.name}"
+    assert "widgets" not in nb.metadata, "saved widget state in metadata: run nbstripout"
+    assert "papermill" not in nb.metadata, "papermill metadata: strip it (nbstripout --extra-keys metadata.papermill)"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids)
+def test_first_code_cell_is_parameters_with_smoke(path):
+    nb = nbformat.read(path, as_version=4)
+    code = [c for c in nb.cells if c.cell_type == "code"]
+    assert code, "notebook has no code cells"
+    first = code[0]
+    assert "parameters" in first.metadata.get("tags", []), "first code cell must be tagged 'parameters'"
+    assert SMOKE.search(first.source), "the parameters cell must set `smoke = False`"
