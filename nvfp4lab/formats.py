@@ -9,7 +9,7 @@ those live in :mod:`nvfp4lab.quantize`.
 
 Every rule here follows Transformer Engine 2.20's pure-PyTorch reference,
 ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``
-(``cast_to_fp4x2`` / ``cast_from_fp4x2``), summarised in ``nvfp4-spec.md`` §1.
+(``cast_to_fp4x2`` / ``cast_from_fp4x2``).
 """
 
 from __future__ import annotations
@@ -55,6 +55,12 @@ _E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])
 #   tie goes:   0    1    1    2    2    4    4      (value)
 _STRICT_THRESHOLDS = (0.25, 1.25, 2.5, 5.0)  # tie rounds down
 _INCLUSIVE_THRESHOLDS = (0.75, 1.75, 3.5)  # tie rounds up
+_BUCKET_THRESHOLDS = torch.sort(
+    torch.cat([
+        torch.tensor(_STRICT_THRESHOLDS, dtype=torch.float32),
+        torch.nextafter(torch.tensor(_INCLUSIVE_THRESHOLDS, dtype=torch.float32), torch.tensor(0.0)),
+    ])
+).values
 
 _FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -79,7 +85,7 @@ def _check_no_nan(x: torch.Tensor, what: str) -> None:
     if torch.isnan(x).any():
         raise ValueError(
             f"{what} contains NaN; NVFP4 has no NaN encoding and TE's reference would "
-            "silently turn it into code 0 (see nvfp4-spec.md §1)"
+            "silently turn it into code 0 (TE reference_nvfp4.py::cast_to_fp4x2)"
         )
 
 
@@ -96,14 +102,14 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
         (bit 3 = sign). Ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 go to
         0, 1, 1, 2, 2, 4, 4. Values in ``[-0.25, 0)`` give code 8 (−0); an exact
         ``-0.0`` gives code 0, as in TE's reference (``-0.0 >= 0.0`` is true).
-        The hardware probably gives 8 for −0.0 (unconfirmed, spec §1); we follow the
+        The hardware probably gives 8 for −0.0 (unconfirmed); we follow the
         reference because it is the bit-exactness oracle.
 
     Raises:
         TypeError: non-float dtype.
         ValueError: NaN in ``x`` (E2M1 has no NaN; the reference would give code 0).
 
-    Source: TE ``reference_nvfp4.py::cast_to_fp4x2``; nvfp4-spec.md §1.
+    Source: TE ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py::cast_to_fp4x2``.
     """
     check_float_tensor(x)
     _check_no_nan(x, "encode_e2m1 input")
@@ -111,14 +117,16 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
 
 
 def _rne_codes(y: torch.Tensor) -> torch.Tensor:
-    """RNE E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path)."""
-    y = y.clamp(-E2M1_MAX, E2M1_MAX)
-    mag = y.abs()
-    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
-    for t in _STRICT_THRESHOLDS:
-        code += (mag > t).to(torch.uint8)
-    for t in _INCLUSIVE_THRESHOLDS:
-        code += (mag >= t).to(torch.uint8)
+    """RNE E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path).
+
+    The magnitude code is the number of decision thresholds a magnitude lies
+    strictly above, once each tie-rounds-up threshold ``t`` is moved one float32 ulp
+    down (``|y| >= t`` <=> ``|y| > nextafter(t, 0)`` for float32 ``|y|``). One
+    ``bucketize`` then replaces seven comparisons. Magnitudes above 5, ±Inf included,
+    land on code 7 (±6): the saturation of the reference's clamp.
+    """
+    thresholds = _BUCKET_THRESHOLDS.to(y.device)
+    code = torch.bucketize(y.abs(), thresholds, right=False).to(torch.uint8)
     return code | ((y < 0).to(torch.uint8) << 3)
 
 

@@ -7,7 +7,7 @@ large block scale that flushes its neighbours to zero. Because the rotation is
 orthogonal (``R Rᵀ = I``) it cancels inside the GEMM.
 
 The transform (TE ``reference_nvfp4.py::_build_hadamard_matrix`` / ``_apply_rht``,
-``pytorch/tensor/nvfp4_tensor.py::get_rht_matrix``; nvfp4-spec.md §4):
+``pytorch/tensor/nvfp4_tensor.py::get_rht_matrix``):
 
 * ``H16``: Sylvester Hadamard matrix in natural order, ``H[i, j] = (-1)^popcount(i & j)``.
 * ``s``: one fixed sign vector for every layer and step (TE ``get_wgrad_sign_vector``),
@@ -20,7 +20,7 @@ BF16 for bit-wise compatibility"). Here the 16-term sum is computed in float64,
 where it is exact for any float16/bfloat16 input and for float32 inputs whose
 block spans less than 2^29 in magnitude, then rounded once to the input dtype. For
 BF16 input this equals TE's result whenever TE's FP32 accumulation is exact, which
-holds unless a block mixes magnitudes more than ~2^15 apart (spec §4).
+holds unless a block mixes magnitudes more than ~2^15 apart.
 """
 
 from __future__ import annotations
@@ -115,7 +115,7 @@ def random_hadamard_transform(x: torch.Tensor, *, signs: torch.Tensor | None = W
     Raises:
         TypeError: non-float dtype. ValueError: ``K`` not a multiple of 16, bad signs.
 
-    Source: TE ``reference_nvfp4.py::_apply_rht``; nvfp4-spec.md §4.
+    Source: TE ``reference_nvfp4.py::_apply_rht``.
     """
     return _blockwise(x, rht_matrix(signs), "random_hadamard_transform input")
 

@@ -13,7 +13,7 @@ flattened to ``[M, K]``:
 The operation order below is TE's, one IEEE float32 operation per line
 (``RN`` = round to nearest even); a one-ulp change of order changes bits
 (TE ``reference_nvfp4.py::_quantize_blockwise_reference``, CUDA
-``common/cast/nvfp4/core_nvfp4.cuh``; nvfp4-spec.md §2)::
+``common/cast/nvfp4/core_nvfp4.cuh``)::
 
     amax     = max |x|                                  (exact)
     S_enc    = min(RN(2688 / amax), FLT_MAX);  1.0 if amax == 0 or S_enc == 0
@@ -93,7 +93,7 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
         (the reference gives FLT_MAX for amax 0; every output is identical because
         all block amaxes are then 0).
 
-    Source: TE ``core_nvfp4.cuh``; nvfp4-spec.md §2.
+    Source: TE ``core_nvfp4.cuh``.
     """
     amax = amax.float()
     s_enc = torch.minimum(_f32(_GLOBAL_NUMERATOR, amax.device) / amax, _f32(FLT_MAX, amax.device))
@@ -118,7 +118,7 @@ def block_decode_scales(block_amax: torch.Tensor, amax: torch.Tensor) -> torch.T
 
     Note the order: ``block_amax * (S_enc / 6)`` with the 1/6 folded into the
     multiplier first. ``(block_amax / 6) / S_dec`` is mathematically equal but not
-    bit-identical. Source: TE ``reference_nvfp4.py`` L748–752; spec §2.
+    bit-identical. Source: TE ``reference_nvfp4.py`` L748–752.
     """
     s_enc = global_encode_scale(amax)
     mult = s_enc * torch.reciprocal(_f32(E2M1_MAX, amax.device))
@@ -131,7 +131,7 @@ def block_encode_scales(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor
 
     A zero block scale gives ``FLT_MAX``: every non-zero element of such a block
     then saturates to code ±6 although the block dequantizes to 0. TE does exactly
-    this; it is not special-cased (spec §2).
+    this; it is not special-cased.
     """
     s_dec = global_decode_scale(amax)
     return torch.minimum(torch.reciprocal(scale.float() * s_dec), _f32(FLT_MAX, amax.device))
@@ -317,7 +317,7 @@ def quantize(
             ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax``.
 
     Exact ``-0.0`` is encoded as code 0 (+0), as TE's reference does (the hardware
-    may give code 8; spec §1). Source: nvfp4-spec.md §2–5; TE
+    may give code 8). Source: TE
     ``custom_recipes/reference_nvfp4.py``.
     """
     check_float_tensor(x)

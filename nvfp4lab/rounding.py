@@ -7,7 +7,7 @@ the two E2M1 grid points that bracket a value, going up with probability equal t
 the value's fractional position between them, so the expected result equals the
 input. NVFP4 training uses it on the **gradient** operands only (grad_output,
 rowwise for Dgrad and columnwise for Wgrad); weights and activations keep RNE
-(paper arXiv 2509.25149 §4; TE ``NVFP4BlockScaling.fp4_quant_bwd_grad``; spec §5).
+(paper arXiv 2509.25149 §4; TE ``NVFP4BlockScaling.fp4_quant_bwd_grad``).
 
 TE draws its random bits from a Philox stream tied to its kernel's thread mapping
 (8 bits per element on Blackwell's ``cvt.rs``), which cannot be reproduced outside
