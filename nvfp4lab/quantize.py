@@ -376,12 +376,12 @@ def quantize(
         block_amax = tiles.abs().amax(dim=(1, 3))
         scale = block_decode_scales(block_amax, amax_t)
         y = tiles * block_encode_scales(scale, amax_t)[:, None, :, None]
-    y = y.reshape(Mp, Kp)[:M, : _ceil_to(K, 2)]
+    y = y.reshape(Mp, Kp)
     if rounding == "nearest":
         codes = _rne_codes(y)
     else:
         codes = _sr_codes(y.clamp(-E2M1_MAX, E2M1_MAX), generator=generator)
-    return result(pack_fp4(codes), scale, amax_t)
+    return result(pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t)
 
 
 def fake_quantize(x: torch.Tensor, **options) -> torch.Tensor:
