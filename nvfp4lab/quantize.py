@@ -359,7 +359,7 @@ def quantize(
             torch.zeros((), dtype=torch.float32, device=device),
         )
 
-    xf = x2.float()
+    xf = x2.float().contiguous()
     amax_t = xf.abs().amax() if amax is None else _validate_amax(amax, device)
 
     # Zero-pad to whole blocks (TE reference _pad_tensor); padding has amax 0, code 0.
