@@ -190,7 +190,7 @@ def _e2m1_sr(y, u):
 
 @triton.jit
 def _uniform16(seed, counter):
-    """8 uniform (0,1) floats per counter from one Philox4x32-10 draw: 16 bits each.
+    """8 uniform (0,1) floats per counter from one Philox4x32 draw (PHILOX_ROUNDS): 16 bits each.
 
     ``counter`` [R, C8] int64 -> [R, C8 * 8] float32, value (k + 0.5) * 2^-16, k in 0..65535.
     The 16-bit resolution biases each rounding probability by at most 2^-17.
