@@ -4,7 +4,7 @@ Imported lazily by :mod:`nvfp4lab.kernels` (this module needs Triton). With
 ``TRITON_INTERPRET=1`` set *before* the import, Triton's interpreter runs the same kernels
 on CPU tensors, which is how the CPU tests check bit-exactness.
 
-Every floating-point step is one IEEE float32 operation in the order of nvfp4-spec.md §2
+Every floating-point step is one IEEE float32 operation in the order of TE 2.20 (reference_nvfp4.py::_quantize_blockwise_reference, common/cast/nvfp4/core_nvfp4.cuh)
 (``nvfp4lab.quantize``). Rounding that Triton would do through a conversion is done here
 with integer bit arithmetic instead, so that the GPU and the interpreter agree bit for bit
 (the interpreter's float conversions truncate or round half-up, e.g. fp32->bf16 and
@@ -51,7 +51,7 @@ def _div_rn(num, den):
 
 @triton.jit
 def _global_scales(amax, inv6):
-    """(S_enc, S_dec, mult) from the per-tensor amax (0-d fp32): spec §2, TE core_nvfp4.cuh."""
+    """(S_enc, S_dec, mult) from the per-tensor amax (0-d fp32): TE core_nvfp4.cuh compute_global_encode_scaling_factor_FP4."""
     a = tl.full((1,), 0.0, tl.float32) + amax
     s_enc = tl.minimum(_div_rn(2688.0, a), FLT_MAX)
     s_enc = tl.where((a == 0.0) | (s_enc == 0.0), 1.0, s_enc)

@@ -25,7 +25,7 @@ if kernels.interpreter_mode():
     pytest.skip("TRITON_INTERPRET=1 is set: these tests are for the compiled kernels", allow_module_level=True)
 
 DEV = "cuda"
-# TE's test_nvfp4_quantize_exact.py shapes (spec §9) plus odd and 3-D ones.
+# TE's tests/pytorch/nvfp4/test_nvfp4_quantize_exact.py shapes plus odd and 3-D ones.
 TE_SHAPES = [(128, 128), (256, 256), (256, 1024), (1024, 256), (256, 272), (304, 304), (320, 256),
              (2048, 2048), (1024, 2048), (2048, 1024), (8192, 8192)]
 ODD_SHAPES = [(17, 33), (1000, 40), (4, 300, 64), (3, 40, 48)]
