@@ -96,8 +96,10 @@ def _blockwise(x: torch.Tensor, matrix: torch.Tensor, what: str) -> torch.Tensor
         )
     blocks = x.reshape(-1, RHT_SIZE).to(torch.float64)
     y = blocks @ matrix.to(device=x.device, dtype=torch.float64)
-    # One rounding to float32 (exact sum -> nearest float32), then to the input dtype.
-    return y.to(torch.float32).to(x.dtype).reshape(x.shape)
+    if x.dtype != torch.float64:
+        # One rounding to float32 (exact sum -> nearest float32), then to the input dtype.
+        y = y.to(torch.float32).to(x.dtype)
+    return y.reshape(x.shape)
 
 
 def random_hadamard_transform(x: torch.Tensor, *, signs: torch.Tensor | None = WGRAD_SIGNS) -> torch.Tensor:

@@ -304,6 +304,10 @@ def quantize(
             above it saturate to ±6·block scale. Default: ``max |x|`` (post-RHT if ``rht``).
         rht_signs: the RHT's 16 signs (default TE's fixed Wgrad vector).
 
+    On CUDA the work goes to the Triton kernels of :mod:`nvfp4lab.kernels` when
+    Triton is installed (RNE results bit-identical to this reference path; set
+    ``NVFP4LAB_DISABLE_KERNELS=1`` to compare); elsewhere the PyTorch code below runs.
+
     Returns:
         :class:`NVFP4Tensor`. Shapes whose dimensions are not multiples of 16 are
         zero-padded internally; the logical shape is kept and padding never shows.
@@ -342,6 +346,15 @@ def quantize(
     device = x.device
     if x2.numel():
         _check_no_nan(x2, "quantize input")
+    if x.is_cuda and x2.numel():
+        # Fast path: Triton kernels, bit-identical for RNE (nvfp4lab.kernels); None if n/a.
+        from . import kernels
+
+        fast = kernels.quantize_fast(
+            x, block=block, rht=rht, rounding=rounding, generator=generator, amax=amax, rht_signs=signs
+        )
+        if fast is not None:
+            return fast
     if rht:
         x2 = random_hadamard_transform(x2, signs=signs)
 
