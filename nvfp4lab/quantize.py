@@ -426,6 +426,12 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
     ):
         raise ValueError("both operands must use the same RHT (or none) for it to cancel in the GEMM")
+    if a.device.type == "cuda":
+        # Fast path: BF16 block values (exact) and a cuBLAS BF16 GEMM with FP32 accumulation.
+        from . import kernels
+
+        if kernels.available(a.device) and kernels.available(b.device):
+            return kernels.nvfp4_matmul_fast(a, b, out_dtype)
     acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
     alpha = (a.amax.float() * b.amax.float()) / _f32(_GEMM_FACTOR, a.device)
     return (acc * alpha).to(out_dtype)
