@@ -7,11 +7,17 @@ The numerics live in one module per concept:
 * :mod:`nvfp4lab.hadamard`  the 16-point random Hadamard transform (RHT)
 * :mod:`nvfp4lab.rounding`  stochastic rounding (SR)
 * :mod:`nvfp4lab.metrics`   error metrics
+* :mod:`nvfp4lab.variants`  comparison quantizers (per-tensor FP4, any block size, MXFP4)
+* :mod:`nvfp4lab.recipe`, :mod:`nvfp4lab.linear`, :mod:`nvfp4lab.fp8`   the NVFP4 recipe, the
+  emulated NVFP4 linear layer (Fprop/Dgrad/Wgrad as TE), FP8 current-scaling emulation
+* :mod:`nvfp4lab.model`, :mod:`nvfp4lab.data`, :mod:`nvfp4lab.train`   a small GPT, the corpus, training
+* :mod:`nvfp4lab.probe`, :mod:`nvfp4lab.te`, :mod:`nvfp4lab.te_model`   hardware probe, Transformer Engine
+* :mod:`nvfp4lab.kernels`   Triton kernels used automatically on CUDA
 
-Nothing here needs a GPU or Transformer Engine.
+Nothing imported here needs a GPU or Transformer Engine.
 """
 
-from . import metrics
+from . import metrics, variants
 from .formats import (
     E2M1_MAX,
     E2M1_VALUES,
@@ -25,10 +31,24 @@ from .formats import (
 from .hadamard import WGRAD_SIGNS, inverse_random_hadamard_transform, random_hadamard_transform
 from .quantize import NVFP4Tensor, fake_quantize, nvfp4_matmul, quantize
 from .rounding import stochastic_round_e2m1
+from .recipe import NVFP4Recipe
+from .linear import NVFP4Linear, convert_model
+from .train import RunResult, TrainConfig, compare, train
+from .probe import Capabilities, probe  # note: this binds the name nvfp4lab.probe to the function
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "Capabilities",
+    "NVFP4Linear",
+    "NVFP4Recipe",
+    "RunResult",
+    "TrainConfig",
+    "compare",
+    "convert_model",
+    "probe",
+    "train",
+    "variants",
     "E2M1_MAX",
     "E2M1_VALUES",
     "E4M3_MAX",
