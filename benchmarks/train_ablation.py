@@ -154,6 +154,7 @@ def main(argv=None) -> int:
                    help="torch threads per run (default: all cores / jobs)")
     p.add_argument("--reuse", action="store_true",
                    help="reuse finished runs in --runs-dir whose config matches (to complete an interrupted benchmark)")
+    p.add_argument("--note", default=None, help="free text recorded in the results JSON")
     p.add_argument("--out", default=str(REPO / "results" / "train_ablation.json"),
                    help="results JSON (the PNG goes next to it)")
     p.add_argument("--runs-dir", default=str(REPO / "runs" / "train_ablation"), help="per-run folders")
@@ -191,6 +192,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+    commit_at_start = _git_commit()
     print(f"[train_ablation] {len(todo)} runs to train ({len(reused)} reused), preset {args.preset}, "
           f"{resolved.steps} steps, {args.jobs} job(s) x {threads} thread(s)", flush=True)
 
@@ -227,6 +229,7 @@ def main(argv=None) -> int:
             "tokens_per_s": r["tokens_per_s"], "peak_memory_bytes": r["peak_memory_bytes"],
             "recipe": r["config"]["recipe"], "cooldown_frac": r["config"]["cooldown_frac"],
             "layers": r["layers"], "val_curve": r["val_curve"],
+            "finished": r["environment"].get("date"), "git_commit": r["environment"].get("git_commit"),
             "run_dir": os.path.relpath(r["out_dir"], REPO),
         }
     bf16_losses = [results[n]["final_val_loss"] for n in ["bf16", *noise_names]
@@ -266,7 +269,8 @@ def main(argv=None) -> int:
         "data": first["data"],
         "environment": env,
         "versions": {k: env.get(k) for k in ("python", "torch", "numpy", "nvfp4lab")},
-        "git_commit": _git_commit(),
+        "git_commit": commit_at_start,
+        "note": args.note,
         "device": env.get("device_name"),
         "baseline": baseline,
         "seed_noise": noise,

@@ -331,7 +331,8 @@ def lr_at(step: int, *, lr: float, steps: int, warmup_steps: int, min_lr_frac: f
 
 
 def environment_info(device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Versions and hardware: python, torch, numpy, nvfp4lab, platform, device name, threads, date."""
+    """Versions and hardware: python, torch, numpy, nvfp4lab, git commit, platform, device name,
+    threads, date."""
     device = torch.device(device)
     info: dict[str, Any] = {
         "python": sys.version.split()[0],
@@ -353,6 +354,7 @@ def environment_info(device: torch.device | str = "cpu") -> dict[str, Any]:
         info["nvfp4lab"] = __version__
     except ImportError:  # pragma: no cover
         pass
+    info["git_commit"] = _git_commit()
     if device.type == "cuda":
         info["device_name"] = torch.cuda.get_device_name(device)
         info["cuda"] = torch.version.cuda
@@ -369,6 +371,25 @@ def environment_info(device: torch.device | str = "cpu") -> dict[str, Any]:
         info["device_name"] = name
         info["cpu_count"] = os.cpu_count()
     return info
+
+
+def _git_commit() -> str | None:
+    """HEAD of the git checkout this package runs from (``+dirty`` if nvfp4lab/ has changes), or None."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[1]
+    if not (root / ".git").exists():
+        return None
+    try:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
+                              timeout=10)
+        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nvfp4lab"], cwd=root,
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    if head.returncode != 0:
+        return None
+    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _rss_bytes() -> int:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import os
@@ -10,10 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-import nvfp4lab.train as train_mod
 from nvfp4lab.model import GPT
 from nvfp4lab.recipe import NVFP4Recipe
-from nvfp4lab.train import (
+# the module, not the function: ``nvfp4lab.train`` is also exported as a function at top level
+train_mod = importlib.import_module("nvfp4lab.train")
+
+from nvfp4lab.train import (  # noqa: E402
     CHECKPOINT_NAME,
     NonFiniteError,
     TrainConfig,
