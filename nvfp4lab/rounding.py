@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import torch
 
-from .formats import E2M1_MAX, E2M1_VALUES, _check_no_nan, check_float_tensor
+from .formats import E2M1_MAX, _check_no_nan, check_float_tensor
 
 __all__ = ["stochastic_round_e2m1"]
 
@@ -60,17 +60,20 @@ def stochastic_round_e2m1(
 def _sr_codes(
     x: torch.Tensor, *, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """SR E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path)."""
+    """SR E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path).
+
+    The E2M1 grid is uniform within each binade-like segment: step 0.5 on [0, 2),
+    1 on [2, 4) and 2 on [4, 6]. So ``lo = floor(a / step) · step`` (exact: the step
+    is a power of two), the probability of rounding up is ``(a - lo) / step``, and a
+    grid value ``v`` has the magnitude code ``2v`` below 2, ``v + 2`` below 4, and
+    ``v / 2 + 4`` from 4 on (4 -> 6, 6 -> 7).
+    """
     a = x.abs().clamp(max=E2M1_MAX)
-    grid = E2M1_VALUES.to(x.device)
-    # index of the largest grid point <= a (0..7)
-    lo_idx = torch.searchsorted(grid, a, right=True) - 1
-    hi_idx = (lo_idx + 1).clamp(max=7)
-    lo = grid[lo_idx]
-    hi = grid[hi_idx]
-    gap = hi - lo
-    p_up = torch.where(gap > 0, (a - lo) / torch.where(gap > 0, gap, torch.ones_like(gap)), torch.zeros_like(a))
+    step = torch.where(a >= 4, 2.0, torch.where(a >= 2, 1.0, 0.5))
+    lo = torch.floor(a / step) * step
+    p_up = (a - lo) / step
     if uniform is None:
         uniform = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
-    mag_code = torch.where(uniform < p_up, hi_idx, lo_idx).to(torch.uint8)
+    v = torch.where(uniform < p_up, lo + step, lo)
+    mag_code = torch.where(v < 2, 2 * v, torch.where(v < 4, v + 2, v / 2 + 4)).to(torch.uint8)
     return mag_code | ((x < 0).to(torch.uint8) << 3)
