@@ -161,6 +161,7 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
     )
     return TrainConfig(
         precision=precision or getattr(args, "precision", "nvfp4"),
+        backend=getattr(args, "backend", "nvfp4lab"),
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, tie_weights=args.tie_weights, lr=args.lr,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, text=args.text, seed=args.seed,
@@ -195,11 +196,16 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"nvfp4lab train: error: {exc}", file=sys.stderr)
         return 2
+    from .te import RecipeNotSupported, TransformerEngineUnavailable
+
     try:
         result = train(cfg)
     except NonFiniteError as exc:
         print(f"nvfp4lab train: {exc}", file=sys.stderr)
         return 3
+    except (TransformerEngineUnavailable, RecipeNotSupported) as exc:
+        print(f"nvfp4lab train: error: {exc}", file=sys.stderr)
+        return 2
     except (ValueError, FileNotFoundError) as exc:
         print(f"nvfp4lab train: error: {exc}", file=sys.stderr)
         return 2
@@ -235,6 +241,9 @@ def _register_train(subparsers) -> None:
     p.add_argument("--precision", choices=("bf16", "fp32", "fp8", "nvfp4"), default="nvfp4",
                    help="bf16: autocast mixed precision; fp8: emulated TE Float8CurrentScaling; "
                         "nvfp4: emulated TE NVFP4BlockScaling (default)")
+    p.add_argument("--backend", choices=("nvfp4lab", "te"), default="nvfp4lab",
+                   help="nvfp4lab: exact emulation on any device (default); te: the same GPT from "
+                        "Transformer Engine modules (CUDA; NVFP4 needs compute capability 10.0)")
     p.add_argument("--out", metavar="DIR", help="run folder (default runs/<name>)")
     p.add_argument("--name", help="run name (default: the precision)")
     p.add_argument("--resume", metavar="CKPT", help="checkpoint file or run folder to continue from")

@@ -116,6 +116,9 @@ class TrainConfig:
     ``n_head``, ``n_embd``, ``seq_len`` (= block size), ``tie_weights``.
     Optimisation: ``batch_size`` (sequences), ``steps``, ``lr`` (peak), ``min_lr_frac``,
     ``warmup_steps``, ``weight_decay``, ``beta1``, ``beta2``, ``grad_clip`` (<= 0: off).
+    Backend: ``"nvfp4lab"`` (the GPT of :mod:`nvfp4lab.model`, NVFP4/FP8 emulated exactly, any
+    device) or ``"te"`` (the same GPT built from Transformer Engine modules, CUDA only; FP8 runs
+    natively through TE, NVFP4 needs compute capability 10.0: :mod:`nvfp4lab.te_model`).
     Precision: ``precision`` in :data:`~nvfp4lab.linear.PRECISIONS`, ``recipe``
     (:class:`NVFP4Recipe`), ``fp8_recipe``, ``cooldown_frac`` in [0, 1) (nvfp4/fp8 only).
     Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
@@ -129,6 +132,7 @@ class TrainConfig:
     """
 
     precision: str = "nvfp4"
+    backend: str = "nvfp4lab"
     preset: str = "ci"
     n_layer: int | None = None
     n_head: int | None = None
@@ -191,6 +195,8 @@ class TrainConfig:
     def _validate(self) -> None:
         if self.precision not in PRECISIONS:
             raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
+        if self.backend not in ("nvfp4lab", "te"):
+            raise ValueError(f"backend must be 'nvfp4lab' or 'te', got {self.backend!r}")
         for k in ("batch_size", "steps", "eval_interval", "eval_batches", "log_interval", "seq_len"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -470,7 +476,7 @@ def _evaluate(model: nn.Module, batches, precision: str, device: torch.device) -
     return total / len(batches)
 
 
-_MODEL_KEYS = ("preset", "n_layer", "n_head", "n_embd", "seq_len", "tie_weights")
+_MODEL_KEYS = ("preset", "n_layer", "n_head", "n_embd", "seq_len", "tie_weights", "backend")
 _DATA_KEYS = ("text", "val_every", "chunk_bytes")
 
 
@@ -562,12 +568,19 @@ def train(config: TrainConfig) -> RunResult:
 
     # model and precision; all randomness derives from the seed
     torch.manual_seed(cfg.seed)
-    model = GPT(cfg.model_config()).to(device)
     sr_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003)
     data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
-    convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
-    precisions = layer_precisions(model)
-    layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
+    if cfg.backend == "te":
+        # Raises TransformerEngineUnavailable / NVFP4NotSupported (with the fallbacks) up front.
+        from .te_model import build_te_model
+
+        model = build_te_model(cfg.model_config(), cfg.precision, cfg.recipe, device=device)
+        layers = model.layer_counts()
+    else:
+        model = GPT(cfg.model_config()).to(device)
+        convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
+        precisions = layer_precisions(model)
+        layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
     optimizer = torch.optim.AdamW(_param_groups(model, cfg.weight_decay), lr=cfg.lr,
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
@@ -653,7 +666,10 @@ def train(config: TrainConfig) -> RunResult:
     try:
         for step in range(start_step, cfg.steps):
             if cooldown_start is not None and step >= cooldown_start and not cooled:
-                set_quantization_enabled(model, False)
+                if cfg.backend == "te":
+                    model.quantize_enabled = False
+                else:
+                    set_quantization_enabled(model, False)
                 cooled = True
                 if step == cooldown_start:
                     log({"type": "event", "event": "bf16 cooldown", "step": step})

@@ -100,3 +100,20 @@ def test_python_dash_m(tmp_path):
     p = subprocess.run([sys.executable, "-m", "nvfp4lab", "train", "--help"], capture_output=True,
                        text=True, env=env, cwd=tmp_path, timeout=120)
     assert p.returncode == 0 and "--precision" in p.stdout and "--cooldown-frac" in p.stdout
+
+
+def test_backend_te_without_transformer_engine_is_a_clear_error(tmp_path, capsys, monkeypatch):
+    """--backend te where TE cannot be imported: exit 2 with the install command, no traceback."""
+    monkeypatch.setitem(sys.modules, "transformer_engine", None)  # import fails like an absent package
+    code = cli.main(["train", "--backend", "te", "--precision", "fp8", "--steps", "1",
+                     "--out", str(tmp_path / "te")])
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "transformer-engine[pytorch]==2.20.2" in err and "Traceback" not in err
+
+
+def test_backend_is_validated():
+    from nvfp4lab.train import TrainConfig
+
+    with pytest.raises(ValueError, match="backend"):
+        TrainConfig(backend="jax").resolved()
