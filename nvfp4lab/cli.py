@@ -38,6 +38,7 @@ Registrar = Callable[[Any], Any]
 #: is the order in ``--help``. ``train`` and ``compare`` are added below.
 SUBCOMMANDS: dict[str, Registrar | str] = {
     "probe": "nvfp4lab.probe:add_probe_subcommand",
+    "bench": "nvfp4lab.bench:register",
 }
 
 

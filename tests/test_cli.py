@@ -117,3 +117,12 @@ def test_backend_is_validated():
 
     with pytest.raises(ValueError, match="backend"):
         TrainConfig(backend="jax").resolved()
+
+
+def test_bench_smoke_writes_json_and_plot(tmp_path):
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--smoke", "--out", str(out)]) == 0
+    data = json.loads(out.read_text())
+    impls = [row["impl"] for row in data["cpu"]]
+    assert impls[0] == "nvfp4lab.quantize" and data["cpu"][0]["ms"] > 0
+    assert data["meta"]["torch"] and out.with_suffix(".png").exists()
