@@ -354,7 +354,13 @@ def bench_cpu(n: int, repeat: int) -> list[dict]:
     x = torch.randn(n, n, generator=torch.Generator().manual_seed(0))
     with kernels.disabled():
         ms = _cpu_time(lambda: quantize(x), repeat)
+        ms_2d = _cpu_time(lambda: quantize(x, block="2d"), repeat)
+        ms_rht = _cpu_time(lambda: quantize(x, rht=True), repeat)
     rows.append({"impl": "nvfp4lab.quantize", "n": n, "dtype": "float32", "ms": ms,
+                 "threads": torch.get_num_threads()})
+    rows.append({"impl": "nvfp4lab.quantize(block='2d')", "n": n, "dtype": "float32", "ms": ms_2d,
+                 "threads": torch.get_num_threads()})
+    rows.append({"impl": "nvfp4lab.quantize(rht=True)", "n": n, "dtype": "float32", "ms": ms_rht,
                  "threads": torch.get_num_threads()})
     try:
         from torchao.prototype.mx_formats.nvfp4_tensor import nvfp4_quantize, per_tensor_amax_to_scale
@@ -367,7 +373,8 @@ def bench_cpu(n: int, repeat: int) -> list[dict]:
         rows.append({"impl": "torchao.nvfp4_quantize (two-level, amax included)",
                      "torchao": torchao.__version__, "n": n, "dtype": "float32", "ms": ms_ao,
                      "threads": torch.get_num_threads()})
-        rows[0]["vs_torchao"] = ms / ms_ao
+        for row in rows[:3]:
+            row["vs_torchao"] = row["ms"] / ms_ao
     except Exception as exc:
         rows.append({"impl": "torchao", "error": repr(exc)[:300]})
     _log(rows)
