@@ -73,24 +73,16 @@ def _plot(runs: dict, baseline: str, png: Path, title: str, noise: dict | None =
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
+    from nvfp4lab.train import draw_val_curves
+
     fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.9]})
+    curves = {}
     for i, (name, r) in enumerate(runs.items()):
-        if not r["val_curve"]:
-            continue
-        s, l = zip(*r["val_curve"])
-        style = dict(color=f"C{i % 10}", lw=1.6 if name in (baseline, "nvfp4") else 1.0, ls="-", label=name)
+        style = dict(color=f"C{i % 10}", lw=1.6 if name in (baseline, "nvfp4") else 1.0)
         if name.startswith(baseline + "-seed"):
-            style = dict(color="0.6", lw=0.8, ls=":", label=name)
-        ax.plot(s, l, **style)
-        k = len(s) // 2
-        ax2.plot(s[k:], l[k:], marker="o", ms=3, **style)
-    ax.set_title(title)
-    ax2.set_title("second half (zoom)")
-    for a in (ax, ax2):
-        a.set_xlabel("step")
-        a.set_ylabel("validation loss (nats / byte)")
-        a.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
+            style = dict(color="0.6", lw=0.8, ls=":")
+        curves[name] = (r["val_curve"], style)
+    draw_val_curves(ax, ax2, curves, title)
     base = runs.get(baseline, {}).get("final_val_loss")
     names = [n for n in runs if n != baseline and runs[n]["final_val_loss"] is not None and base]
     gaps = [100 * (runs[n]["final_val_loss"] - base) / base for n in names]

@@ -800,6 +800,29 @@ def format_table(runs: Mapping[str, RunResult], baseline: str | None = "bf16") -
     return "\n".join(lines)
 
 
+def draw_val_curves(ax, ax2, curves: Mapping[str, tuple[Sequence, Mapping[str, Any]]], title: str = "") -> None:
+    """Draw validation-loss curves on ``ax`` and their second half, zoomed, on ``ax2``.
+
+    ``curves`` maps a run name to ``(val_curve, style)``: ``val_curve`` is a list of
+    ``[step, loss]`` pairs and ``style`` matplotlib line keywords (``label`` defaults to the name).
+    """
+    for name, (val_curve, style) in curves.items():
+        if not val_curve:
+            continue
+        s, l = zip(*val_curve)
+        style = {"label": name, **style}
+        ax.plot(s, l, **style)
+        half = len(s) // 2
+        ax2.plot(s[half:], l[half:], marker="o", ms=3, **style)
+    ax.set_title(title or "validation loss")
+    ax2.set_title("second half (zoom)")
+    for a in (ax, ax2):
+        a.set_xlabel("step")
+        a.set_ylabel("validation loss (nats / byte)")
+        a.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+
+
 def plot_compare(runs: Mapping[str, RunResult], png_path: str | os.PathLike, title: str = "") -> str:
     """Validation-loss curves of several runs in one PNG."""
     import matplotlib
@@ -808,20 +831,8 @@ def plot_compare(runs: Mapping[str, RunResult], png_path: str | os.PathLike, tit
     import matplotlib.pyplot as plt
 
     fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    for i, (name, r) in enumerate(runs.items()):
-        if not r.val_curve:
-            continue
-        s, l = zip(*r.val_curve)
-        ax.plot(s, l, "-", color=f"C{i % 10}", lw=1.2, label=name)
-        half = len(s) // 2
-        ax2.plot(s[half:], l[half:], "o-", color=f"C{i % 10}", ms=3, lw=1.2, label=name)
-    ax.set_title(title or "validation loss")
-    ax2.set_title("second half (zoom)")
-    for a in (ax, ax2):
-        a.set_xlabel("step")
-        a.set_ylabel("validation loss (nats / byte)")
-        a.grid(alpha=0.3)
-    ax2.legend(fontsize=8)
+    draw_val_curves(ax, ax2, {name: (r.val_curve, {"color": f"C{i % 10}", "lw": 1.2})
+                              for i, (name, r) in enumerate(runs.items())}, title)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     plt.close(fig)
