@@ -2,7 +2,7 @@
 
 A linear layer ``Y = X Wᵀ + b`` (X: [M tokens, K], W: [N, K]) costs three GEMMs per training
 step. :class:`NVFP4Linear` runs each one as Transformer Engine's ``NVFP4BlockScaling`` recipe
-does (nvfp4-spec.md sections 3-6; TE ``pytorch/module/linear.py`` with the quantizers of
+does (TE ``pytorch/module/linear.py`` with the quantizers of
 ``NVFP4BlockScalingRecipeState.make_quantizers``), every GEMM written ``a @ bᵀ`` with both
 operands quantized along the contraction axis::
 

@@ -18,7 +18,7 @@ answers are TE's own (``transformer_engine.pytorch.is_fp8_available``,
 ``is_fp8_block_scaling_available``, ``is_mxfp8_available``, ``is_nvfp4_available``,
 each with ``return_reason=True``; TE file ``transformer_engine/pytorch/quantization.py``,
 ``_compute_*_support``). Otherwise the same compute-capability rules are applied
-here, with TE's reason strings word for word (nvfp4-spec.md §8):
+here, with TE's reason strings word for word (TE pytorch/quantization.py):
 
 * BF16: SM >= 8.0 (BF16 tensor cores);
 * FP8 delayed / current scaling (``DelayedScaling``, ``Float8CurrentScaling``): SM >= 8.9,
@@ -71,7 +71,7 @@ __all__ = [
 
 #: The Transformer Engine release nvfp4lab is bit-exact with.
 TE_PINNED_VERSION = "2.20.2"
-#: How to install it (nvfp4-spec.md §10): needs torch already installed, a CUDA GPU
+#: How to install it (TE setup.py): needs torch already installed, a CUDA GPU
 #: machine with CUDA >= 12.1 and a C++17 compiler for the ``transformer-engine-torch`` sdist.
 TE_INSTALL_COMMAND = f'pip install --no-build-isolation "transformer-engine[pytorch]=={TE_PINNED_VERSION}"'
 

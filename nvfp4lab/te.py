@@ -5,14 +5,14 @@ Everything here imports Transformer Engine (TE) lazily, inside the functions, so
 :func:`require_te`, :func:`make_recipe` or :func:`autocast` needs TE.
 
 Recipe names (:data:`RECIPE_NAMES`) and the TE 2.20 objects they build
-(TE file ``transformer_engine/common/recipe/__init__.py``; nvfp4-spec.md §6–§8):
+(TE file ``transformer_engine/common/recipe/__init__.py``):
 
 * ``nvfp4``: ``NVFP4BlockScaling(disable_rht, disable_stochastic_rounding,
   disable_2d_quantization)``, flags from nvfp4lab's ``NVFP4Recipe``; native on SM >= 10.0.
 * ``nvfp4-reference``: ``CustomRecipe(qfactory=nvfp4_ref_rht_2d_factory)``, TE's
   pure-PyTorch NVFP4 emulation (``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py``);
   runs wherever TE's FP8 check passes (SM >= 8.9), slowly, and only with bias-free modules
-  (``bias=False``), K % 32 == 0 for every GEMM and tokens % 16 == 0 (nvfp4-spec.md §7).
+  (``bias=False``), K % 32 == 0 for every GEMM and tokens % 16 == 0 (TE custom_recipes/reference_nvfp4.py::qgemm).
 * ``fp8-current``: ``Float8CurrentScaling()``; SM >= 8.9.
 * ``fp8-delayed``: ``DelayedScaling()``; SM >= 8.9.
 * ``fp8-block``: ``Float8BlockScaling()``; SM >= 9.0 and CUDA >= 12.9.

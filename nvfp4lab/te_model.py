@@ -67,7 +67,7 @@ Precisions (:data:`TE_PRECISIONS`, the ``precision`` argument):
   :func:`build_te_model` raises :class:`~nvfp4lab.te.NVFP4NotSupported` before anything runs.
 * ``"nvfp4-reference"``: TE's pure-PyTorch NVFP4 emulation (``CustomRecipe`` with
   ``nvfp4_ref_rht_2d_factory``'s quantizers), same layer selection; runs on Hopper but is very
-  slow and needs bias-free GEMMs, K % 32 == 0 and tokens % 16 == 0 (nvfp4-spec.md section 7).
+  slow and needs bias-free GEMMs, K % 32 == 0 and tokens % 16 == 0 (TE custom_recipes/reference_nvfp4.py::qgemm).
   In TE 2.20.2 ``te.LayerNormMLP`` (hence ``te.TransformerLayer``) cannot be trained with it;
   both failures seen on an H100/H200, 2026-11-22, in ``module/layernorm_mlp.py``'s backward:
 
@@ -93,7 +93,7 @@ Sources: TE 2.20 ``transformer_engine/pytorch/transformer.py`` (TransformerLayer
 ``attention/multi_head_attention.py`` (QKV layout with ``qkv_weight_interleaved=False``:
 ``[3, heads, head_dim]``), ``module/layernorm_mlp.py`` (``fc1_weight``/``fc2_weight``, GELU),
 ``module/base.py::set_activation_dtype`` (torch.autocast gives the activation dtype);
-nvfp4-spec.md sections 6-8.
+TE common/recipe/__init__.py and pytorch/quantization.py.
 """
 
 from __future__ import annotations

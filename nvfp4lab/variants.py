@@ -36,7 +36,7 @@ block gets ``-127``). With this rule the scaled block maximum lands in ``[4, 8)`
 so elements in ``(6, 8)`` are clipped to 6. ``scale_rule="ceil"`` instead picks
 ``X = 2^ceil(log2(amax / 6))``, the smallest power of two that avoids clipping
 (scaled block maximum in ``(3, 6]``); it is what TE's reference quantizer uses for
-its MXFP4-style ``pow_2_scales`` mode (``cast_to_e8``; nvfp4-spec.md §2).
+its MXFP4-style ``pow_2_scales`` mode (``cast_to_e8``).
 
 All results are float32 emulations on any device; nothing here needs a GPU.
 """

@@ -34,7 +34,7 @@ def test_decode_all_sixteen_codes():
 
 
 def test_ties_go_to_even_code():
-    # spec §1: ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 -> 0, 1, 1, 2, 2, 4, 4
+    # TE cast_to_fp4x2: ties 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5 -> 0, 1, 1, 2, 2, 4, 4
     ties = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0])
     assert decode_e2m1(encode_e2m1(ties)).tolist() == [0, 1, 1, 2, 2, 4, 4]
     assert decode_e2m1(encode_e2m1(-ties)).tolist() == [-0.0, -1, -1, -2, -2, -4, -4]

@@ -42,7 +42,7 @@ def test_transform_is_x_times_r_per_chunk():
 
 
 def test_bf16_result_is_fp32_sum_rounded_once():
-    """TE accumulates in fp32 and rounds to BF16 (spec §4); for randn BF16 that sum is exact."""
+    """TE accumulates in fp32 and rounds to BF16 (TE nvfp4_tensor.py RHT); for randn BF16 that sum is exact."""
     x = torch.randn(64, 64).to(torch.bfloat16)
     want = (x.float().reshape(-1, 16) @ rht_matrix()).to(torch.bfloat16).reshape(x.shape)
     assert torch.equal(random_hadamard_transform(x), want)

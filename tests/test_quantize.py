@@ -28,7 +28,7 @@ def f32_from_bits(bits: int) -> torch.Tensor:
 
 def test_ties_block_worked_example():
     """amax 2688 gives S_enc = 1; a block with amax 6 gets scale RN(6·RN(1/6)) = 1 exactly,
-    so its elements are rounded unscaled and every tie goes to the even code (spec §1, §9)."""
+    so its elements are rounded unscaled and every tie goes to the even code (TE reference_nvfp4.py::cast_to_fp4x2)."""
     x = torch.zeros(1, 32)
     x[0, 0] = 2688.0
     ties = T([6, 0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5, -0.25, -0.75, -1.25, -1.75, -2.5, -3.5, -5, -0.0])
@@ -41,7 +41,7 @@ def test_ties_block_worked_example():
 
 
 def test_block_scale_operation_order_is_tes():
-    """The block scale is RN(bamax · RN(S_enc · RN(1/6))), not (bamax/6)·S_enc (spec §2).
+    """The block scale is RN(bamax · RN(S_enc · RN(1/6))), not (bamax/6)·S_enc (TE reference_nvfp4.py).
 
     This input was found by search so that the two orders land on different E4M3 values;
     the test re-derives the expected byte with the spec's fp32 operations and checks that
@@ -81,7 +81,7 @@ def test_underflowed_block_gives_plus_minus_six_with_zero_scale():
     assert q.scale[0, 1].float().item() == 0.0
     codes = q.codes()[0, 16:]
     nonzero = x[0, 16:] != 0
-    assert ((codes[nonzero] & 7) == 7).all()  # ±6, not special-cased (spec §2)
+    assert ((codes[nonzero] & 7) == 7).all()  # ±6, not special-cased (TE reference_nvfp4.py)
     assert (q.dequantize()[0, 16:] == 0).all()  # ... yet the block dequantizes to 0
 
 
@@ -111,7 +111,7 @@ def test_infinities():
 
 
 def test_dequantize_formula_is_tes_native():
-    """x̂ = RN(code · RN(RN(sf · amax) · RN(1/2688))) (dequantize_nvfp4.cuh, spec §2)."""
+    """x̂ = RN(code · RN(RN(sf · amax) · RN(1/2688))) (dequantize_nvfp4.cuh)."""
     x = torch.randn(8, 64) * 3
     q = quantize(x)
     sf = q.scale.float().repeat_interleave(16, 1)

@@ -11,7 +11,7 @@ from nvfp4lab import quantize
 
 pytestmark = pytest.mark.gpu
 
-# TE's test_nvfp4_quantize_exact.py shape list (nvfp4-spec.md §9), plus odd shapes.
+# TE's test_nvfp4_quantize_exact.py shape list (tests/pytorch/nvfp4), plus odd shapes.
 TE_SHAPES = [(128, 128), (256, 256), (256, 1024), (1024, 256), (256, 272), (304, 304), (320, 256),
              (2048, 2048), (1024, 2048), (2048, 1024), (8192, 8192)]
 CPU_SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 2048), (3, 40, 48), (17, 33)]

@@ -14,7 +14,7 @@ What is checked:
   probe's message, before TE is entered, and FP8 still works afterwards;
 * ``CustomRecipe(qfactory=nvfp4_ref_rht_2d_factory)`` (TE's NVFP4 reference emulation)
   runs forward and backward through bias-free ``te.Linear`` / ``te.LayerNormLinear``
-  with K % 32 == 0 and tokens % 16 == 0 (nvfp4-spec.md §7), and the result differs from
+  with K % 32 == 0 and tokens % 16 == 0 (TE reference qgemm), and the result differs from
   BF16 by what NVFP4 quantization should cost (relative Frobenius error in 2 %–30 %;
   ~14 % expected for Gaussian operands with 1x16 activation and 16x16 weight blocks);
 * nvfp4lab's quantizers equal TE's reference quantizers bit for bit on the GPU, and
