@@ -664,6 +664,10 @@ def probe() -> Capabilities:
     Returns:
         :class:`Capabilities`.
     """
+    # Import TE before anything asks torch for cuDNN: on a machine whose system cuDNN differs
+    # from torch's bundled one, the other order makes TE's import fail (seen on the lent H200:
+    # "undefined symbol ... libcudnn_heuristic.so.9"). import_transformer_engine never raises.
+    import_transformer_engine()
     sw = _software_info()
     gpu = _gpu_info()
     te = _te_info(gpu["gpu_available"])
