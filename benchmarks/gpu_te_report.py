@@ -747,13 +747,12 @@ def _moving_average(values: list[float], k: int) -> list[float]:
 
 def make_plot(report: dict[str, Any], path: Path) -> str:
     """Three panels: training loss, loss gap to the same backend's BF16 run, linear-layer times."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
 
     env = report["sections"].get("environment", {})
-    fig, (ax1, ax3, ax2) = plt.subplots(1, 3, figsize=(17, 4.8))
+    fig = Figure(figsize=(17, 4.8))
+    ax1, ax3, ax2 = fig.subplots(1, 3)
     runs = report["sections"].get("training", {}).get("runs", {})
     ok = {n: r for n, r in runs.items() if r.get("status") == "ok" and r.get("train_loss")}
     colors = {n: f"C{i}" for i, n in enumerate(runs)}
@@ -802,7 +801,6 @@ def make_plot(report: dict[str, Any], path: Path) -> str:
                  f"| {env.get('date_utc', '')}", fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
-    plt.close(fig)
     return str(path)
 
 

@@ -68,14 +68,13 @@ def _run_one(config_dict: dict, threads: int | None) -> dict:
 
 
 def _plot(runs: dict, baseline: str, png: Path, title: str, noise: dict | None = None) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
 
     from nvfp4lab.train import draw_val_curves
 
-    fig, (ax, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6), gridspec_kw={"width_ratios": [1, 1, 0.9]})
+    fig = Figure(figsize=(16, 4.6))
+    ax, ax2, ax3 = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1, 0.9]})
     curves = {}
     for i, (name, r) in enumerate(runs.items()):
         style = dict(color=f"C{i % 10}", lw=1.6 if name in (baseline, "nvfp4") else 1.0)
@@ -99,7 +98,6 @@ def _plot(runs: dict, baseline: str, png: Path, title: str, noise: dict | None =
     ax3.grid(alpha=0.3, axis="x")
     fig.tight_layout()
     fig.savefig(png, dpi=120)
-    plt.close(fig)
 
 
 def _git_commit() -> str | None:

@@ -392,14 +392,13 @@ def _fmt(v):
 
 
 def plot(result: dict, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
 
     q = [r for r in result.get("quantize", []) if "ms" in r]
     lin = [r for r in result.get("linear", []) if "ms" in r]
-    fig, axes = plt.subplots(1, 2, figsize=(16, max(5.0, 0.16 * max(len(q), len(lin)) + 1.5)))
+    fig = Figure(figsize=(16, max(5.0, 0.16 * max(len(q), len(lin)) + 1.5)))
+    axes = fig.subplots(1, 2)
     ax = axes[0]
     labels = [f'{r["case"]} {r["n"]}² {r["dtype"]} ({r["impl"]}, {r["ms"] * 1e3:.0f} us)' for r in q]
     ax.barh(range(len(q)), [r["GBps"] for r in q], color=["C0" if r["impl"] == "triton" else "C3" for r in q])
@@ -424,7 +423,6 @@ def plot(result: dict, path: Path) -> None:
                  f'{result["meta"].get("triton")}  {result["meta"]["date"]}', fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
-    plt.close(fig)
 
 
 # ----------------------------------------------------------------------------- entry point

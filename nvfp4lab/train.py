@@ -509,17 +509,16 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> str:
     """Draw train loss (and its moving average) and validation loss against step into a PNG."""
-    import matplotlib
-
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
 
     recs = _read_jsonl(Path(metrics_path))
     tr = [(r["step"], r["loss"]) for r in recs if r.get("type") == "train" and r.get("loss") is not None
           and math.isfinite(r["loss"])]
     ev = [(r["step"], r["val_loss"]) for r in recs if r.get("type") == "eval"]
     events = [r for r in recs if r.get("type") == "event"]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
     if tr:
         s, l = zip(*tr)
         ax.plot(s, l, color="0.75", lw=0.8, label="train (per log step)")
@@ -536,7 +535,6 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike, t
     ax.legend()
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
-    plt.close(fig)
     return str(png_path)
 
 
@@ -825,17 +823,15 @@ def draw_val_curves(ax, ax2, curves: Mapping[str, tuple[Sequence, Mapping[str, A
 
 def plot_compare(runs: Mapping[str, RunResult], png_path: str | os.PathLike, title: str = "") -> str:
     """Validation-loss curves of several runs in one PNG."""
-    import matplotlib
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
 
-    matplotlib.use("Agg", force=False)
-    import matplotlib.pyplot as plt
-
-    fig, (ax, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
+    fig = Figure(figsize=(12, 4.5))
+    ax, ax2 = fig.subplots(1, 2)
     draw_val_curves(ax, ax2, {name: (r.val_curve, {"color": f"C{i % 10}", "lw": 1.2})
                               for i, (name, r) in enumerate(runs.items())}, title)
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
-    plt.close(fig)
     return str(png_path)
 
 
