@@ -1,5 +1,13 @@
+import os
+
 import pytest
 import torch
+
+# Without a GPU, Triton's kernels can only run in its interpreter, and Triton reads this
+# variable when it is first imported (by the probe, the kernels or anything else): set it
+# before any test module imports Triton, so tests/test_kernels.py checks the kernels on CPU.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 def pytest_collection_modifyitems(config, items):
