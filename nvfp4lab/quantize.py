@@ -373,20 +373,20 @@ def quantize(
         )
 
     xf = x2.float().contiguous()
-    amax_t = xf.abs().amax() if amax is None else _validate_amax(amax, device)
-
     # Zero-pad to whole blocks (TE reference _pad_tensor); padding has amax 0, code 0.
     Kp = _ceil_to(K, BLOCK_SIZE)
     Mp = _ceil_to(M, BLOCK_SIZE) if block == "2d" else M
     xp = F.pad(xf, (0, Kp - K, 0, Mp - M)) if (Kp, Mp) != (K, M) else xf
+    xabs = xp.abs()
+    amax_t = xabs.amax() if amax is None else _validate_amax(amax, device)
     if block == "1d":
         blocks = xp.view(Mp, Kp // BLOCK_SIZE, BLOCK_SIZE)
-        block_amax = blocks.abs().amax(dim=-1)
+        block_amax = xabs.view(Mp, Kp // BLOCK_SIZE, BLOCK_SIZE).amax(dim=-1)
         scale = block_decode_scales(block_amax, amax_t)
         y = blocks * block_encode_scales(scale, amax_t)[:, :, None]
     else:
         tiles = xp.view(Mp // BLOCK_SIZE, BLOCK_SIZE, Kp // BLOCK_SIZE, BLOCK_SIZE)
-        block_amax = tiles.abs().amax(dim=(1, 3))
+        block_amax = xabs.view(Mp // BLOCK_SIZE, BLOCK_SIZE, Kp // BLOCK_SIZE, BLOCK_SIZE).amax(dim=(1, 3))
         scale = block_decode_scales(block_amax, amax_t)
         y = tiles * block_encode_scales(scale, amax_t)[:, None, :, None]
     y = y.reshape(Mp, Kp)
