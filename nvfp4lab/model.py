@@ -109,6 +109,15 @@ def get_preset(name: str) -> GPTConfig:
         raise ValueError(f"unknown model preset {name!r}; choose one of {sorted(PRESETS)}") from None
 
 
+def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    """Parameters of a GPT-shaped model (tied weights counted once); optionally without the
+    position embedding ``wpe`` (the token embedding is the tied head, so it stays)."""
+    n = sum(p.numel() for p in model.parameters())
+    if exclude_embeddings:
+        n -= model.wpe.weight.numel()
+    return n
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: fused QKV projection, SDPA core, output projection."""
 
@@ -201,10 +210,7 @@ class GPT(nn.Module):
             nn.init.normal_(module.weight, mean=0.0, std=0.02)
 
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
-        n = sum(p.numel() for p in self.parameters())  # tied weights counted once
-        if exclude_embeddings:
-            n -= self.wpe.weight.numel()
-        return n
+        return count_parameters(self, exclude_embeddings)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         if idx.dim() != 2:

@@ -405,10 +405,9 @@ class TEGPT(nn.Module):
     # ------------------------------------------------------------------ bookkeeping
     def num_parameters(self, exclude_embeddings: bool = False) -> int:
         """Parameter count (tied weights once; TE's LayerNorm biases included)."""
-        n = sum(p.numel() for p in self.parameters())
-        if exclude_embeddings:
-            n -= self.wpe.weight.numel()
-        return n
+        from .model import count_parameters
+
+        return count_parameters(self, exclude_embeddings)
 
     def layer_precisions(self) -> dict[str, str]:
         """``{GEMM layer name: "nvfp4" | "fp8" | "mxfp8" | "high"}`` for the 4 GEMMs per block and the head.
