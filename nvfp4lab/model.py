@@ -118,6 +118,29 @@ def count_parameters(model: nn.Module, exclude_embeddings: bool = False) -> int:
     return n
 
 
+def embed_tokens(model: nn.Module, idx: torch.Tensor) -> torch.Tensor:
+    """Token + position embeddings (then dropout) of a GPT-shaped model: ``[B, T]`` ids -> ``[B, T, C]``.
+
+    Raises ``ValueError`` for ids that are not ``[B, T]`` or longer than ``config.block_size``.
+    """
+    if idx.dim() != 2:
+        raise ValueError(f"{type(model).__name__} expects token ids of shape [B, T], got {tuple(idx.shape)}")
+    T = idx.shape[1]
+    if T > model.config.block_size:
+        raise ValueError(f"sequence length {T} exceeds block_size {model.config.block_size}")
+    pos = torch.arange(T, device=idx.device)
+    return model.drop(model.wte(idx) + model.wpe(pos))
+
+
+def lm_head_and_loss(model: nn.Module, x: torch.Tensor, targets: torch.Tensor | None):
+    """Final LayerNorm, LM head and (if ``targets``) the mean cross-entropy in FP32: ``(logits, loss)``."""
+    logits = model.lm_head(model.ln_f(x))
+    loss = None
+    if targets is not None:
+        loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
+    return logits, loss
+
+
 class CausalSelfAttention(nn.Module):
     """Multi-head causal self-attention: fused QKV projection, SDPA core, output projection."""
 
@@ -213,17 +236,7 @@ class GPT(nn.Module):
         return count_parameters(self, exclude_embeddings)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if idx.dim() != 2:
-            raise ValueError(f"GPT expects token ids of shape [B, T], got {tuple(idx.shape)}")
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))
+        x = embed_tokens(self, idx)
         for block in self.blocks:
             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return lm_head_and_loss(self, x, targets)

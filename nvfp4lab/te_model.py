@@ -433,13 +433,9 @@ class TEGPT(nn.Module):
 
     # ------------------------------------------------------------------ forward
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        if idx.dim() != 2:
-            raise ValueError(f"TEGPT expects token ids of shape [B, T], got {tuple(idx.shape)}")
-        B, T = idx.shape
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = torch.arange(T, device=idx.device)
-        x = self.drop(self.wte(idx) + self.wpe(pos))  # [B, T, C]
+        from .model import embed_tokens, lm_head_and_loss
+
+        x = embed_tokens(self, idx)  # [B, T, C]
         dev = x.device.type
         if torch.is_autocast_enabled(dev):
             x = x.to(torch.get_autocast_dtype(dev))
@@ -456,11 +452,7 @@ class TEGPT(nn.Module):
                     else:
                         with autocast(self.te_recipe, enabled=False):  # kept in BF16
                             x = block(x)
-        logits = self.lm_head(self.ln_f(x))
-        loss = None
-        if targets is not None:
-            loss = F.cross_entropy(logits.float().view(-1, logits.size(-1)), targets.reshape(-1))
-        return logits, loss
+        return lm_head_and_loss(self, x, targets)
 
     def extra_repr(self) -> str:
         sel = "".join("q" if q else "-" for q in self.block_quantized)
