@@ -226,7 +226,7 @@ class NVFP4Tensor:
 
         Each product has at most 5 significant bits and lies in ``[2^-10, 2688]``,
         so it is exact in BF16, FP16 (normal range permitting) and FP32: the
-        operand a real NVFP4 tensor core multiplies (background §5).
+        operand a real NVFP4 tensor core multiplies.
         """
         vals = decode_e2m1(self.codes()) * self._per_element(self.scale.float())
         return vals.to(dtype)
@@ -414,7 +414,7 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
     exact) is accumulated in FP32, then multiplied in FP32 by
     ``alpha = RN(RN(amax_a · amax_b) / (6·6·448·448))``, the factor TE's GEMM applies
     (``common/recipe/nvfp4.cu``; reference ``qgemm``). Up to FP32 accumulation
-    order this is what an NVFP4 tensor core computes (background §5).
+    order this is what an NVFP4 tensor core computes.
 
     Raises:
         ValueError: ``K`` differs, or one operand is RHT-rotated and the other is
