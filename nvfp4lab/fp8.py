@@ -83,14 +83,9 @@ class FP8Recipe:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "FP8Recipe":
-        if data is None:
-            return cls()
-        if isinstance(data, FP8Recipe):
-            return data
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown FP8Recipe field(s): {sorted(unknown)}")
-        return cls(**dict(data))
+        from .recipe import recipe_from_dict
+
+        return recipe_from_dict(cls, data)
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float, *, use_power_2_scales: bool = False,

@@ -48,6 +48,19 @@ _TE_ENV = {
 }
 
 
+def recipe_from_dict(cls: type, data: Mapping[str, Any] | None):
+    """Build the recipe dataclass ``cls`` from a ``to_dict()`` mapping (``None``: defaults; an
+    instance is returned as is). Unknown keys raise ``ValueError`` naming them."""
+    if data is None:
+        return cls()
+    if isinstance(data, cls):
+        return data
+    unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+        raise ValueError(f"unknown {cls.__name__} field(s): {sorted(unknown)}")
+    return cls(**dict(data))
+
+
 @dataclass(frozen=True)
 class NVFP4Recipe:
     """Configuration of emulated NVFP4 training (immutable; validated on construction).
@@ -171,14 +184,7 @@ class NVFP4Recipe:
     @classmethod
     def from_dict(cls, data: Mapping[str, Any] | None) -> "NVFP4Recipe":
         """Inverse of :meth:`to_dict`; ``None`` gives the defaults. Unknown keys raise ``ValueError``."""
-        if data is None:
-            return cls()
-        if isinstance(data, NVFP4Recipe):
-            return data
-        unknown = set(data) - {f.name for f in dataclasses.fields(cls)}
-        if unknown:
-            raise ValueError(f"unknown NVFP4Recipe field(s): {sorted(unknown)}")
-        return cls(**dict(data))
+        return recipe_from_dict(cls, data)
 
     @classmethod
     def from_te_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> "NVFP4Recipe":
