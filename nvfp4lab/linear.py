@@ -34,7 +34,10 @@ Feature sizes K, N that are not multiples of 16 are handled by the quantizer's z
 partial blocks (TE's native kernels require multiples of 16; the model keeps them so).
 
 Non-finite values. The quantizer refuses NaN; a NaN reaching this layer instead produces a NaN
-output (or NaN gradients) so that the training loop's non-finite check can name the step.
+output (or NaN gradients) so that the training loop's non-finite check can name the step. On
+the fused path (the Triton kernels, see :class:`GemmQuantizer`) no scan is made: the NaN makes
+the per-tensor amax NaN and so every GEMM output using that operand (a NaN in X gives a NaN Y
+and dW; dX stays what dY and W make it).
 
 Instrumentation. :func:`capture_gemm_operands` records every quantized GEMM operand with the
 options and the SR generator state used, so tests can check them bit for bit against
@@ -69,15 +72,29 @@ TOKEN_PAD = 16
 
 # ----------------------------------------------------------------------------- quantizer plug
 class GemmQuantizer(Protocol):
-    """What :class:`NVFP4Linear` needs: quantize one operand, multiply two (``a @ bᵀ``)."""
+    """What :class:`NVFP4Linear` needs: quantize one operand, multiply two (``a @ bᵀ``).
+
+    ``matmul(a, b, out_dtype=, bias=)`` returns ``cast(RN(a @ bᵀ) + bias)`` ([M, N], ``bias``
+    [N] or ``None``, added in FP32 before the one rounding to ``out_dtype``). A quantizer may
+    also define ``quantize_pair(x, row_options, col_options, generator=)`` returning the
+    rowwise copy of ``x`` [M, K] and the columnwise copy (``xᵀ`` quantized along M, zero-padded
+    to 16 tokens for the RHT) together, or ``None`` to decline; :class:`NVFP4Linear` then
+    neither transposes nor scans for NaN (the kernels' NaN-propagating amaxes make the
+    outputs NaN instead, with no host synchronisation).
+    """
 
     def quantize(self, x: torch.Tensor, **options: Any) -> Any: ...
 
-    def matmul(self, a: Any, b: Any) -> torch.Tensor: ...
+    def matmul(self, a: Any, b: Any, *, out_dtype: torch.dtype = torch.float32,
+               bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
 
 class NVFP4GemmQuantizer:
-    """The default: :func:`nvfp4lab.quantize.quantize` and :func:`nvfp4lab.quantize.nvfp4_matmul`."""
+    """The default: :func:`nvfp4lab.quantize.quantize` and :func:`nvfp4lab.quantize.nvfp4_matmul`.
+
+    Both take the Triton kernels of :mod:`nvfp4lab.kernels` on CUDA; ``quantize_pair`` takes
+    the fused rowwise + columnwise kernels on CUDA and declines elsewhere.
+    """
 
     name = "nvfp4"
 
@@ -86,10 +103,19 @@ class NVFP4GemmQuantizer:
 
         return quantize(x, **options)
 
-    def matmul(self, a, b) -> torch.Tensor:
+    def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
+                      generator: torch.Generator | None = None):
+        if not x.is_cuda:
+            return None
+        from . import kernels
+
+        return kernels.quantize_pair_fast(x, row, col, generator=generator)
+
+    def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
         from .quantize import nvfp4_matmul
 
-        return nvfp4_matmul(a, b, out_dtype=torch.float32)
+        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
 
 
 class IdentityQuantizer:
@@ -105,8 +131,12 @@ class IdentityQuantizer:
     def quantize(self, x: torch.Tensor, **options: Any) -> torch.Tensor:
         return x
 
-    def matmul(self, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
-        return a.to(torch.float32) @ b.to(torch.float32).t()
+    def matmul(self, a: torch.Tensor, b: torch.Tensor, *, out_dtype: torch.dtype = torch.float32,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        y = a.to(torch.float32) @ b.to(torch.float32).t()
+        if bias is not None:
+            y = y + bias.to(torch.float32)
+        return y.to(out_dtype)
 
 
 # ----------------------------------------------------------------------------- instrumentation
@@ -169,6 +199,12 @@ class _LayerState:
         return self._generators[key]
 
 
+def _observe(state: _LayerState, gemm: str, operand: str, options: dict, rng_state, source, q) -> None:
+    record = GemmOperand(gemm, operand, state.name, options, rng_state, source, q)
+    for observer in list(_OBSERVERS):
+        observer(record)
+
+
 def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role: str):
     options = state.recipe.quantize_options(role)
     kwargs = dict(options)
@@ -180,10 +216,34 @@ def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role
             rng_state = gen.get_state()
     q = state.quantizer.quantize(x, **kwargs)
     if _OBSERVERS:
-        record = GemmOperand(gemm, operand, state.name, options, rng_state, x, q)
-        for observer in list(_OBSERVERS):
-            observer(record)
+        _observe(state, gemm, operand, options, rng_state, x, q)
     return q
+
+
+def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, str],
+                   col: tuple[str, str, str] | None):
+    """Both copies of ``x2d`` from the quantizer's ``quantize_pair`` (None if it has none or declines).
+
+    ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies.
+    """
+    pair_fn = getattr(state.quantizer, "quantize_pair", None)
+    if pair_fn is None:
+        return None
+    row_opts = state.recipe.quantize_options(row[2])
+    col_opts = None if col is None else state.recipe.quantize_options(col[2])
+    gen = rng_state = None
+    if row_opts["rounding"] == "stochastic" or (col_opts and col_opts["rounding"] == "stochastic"):
+        gen = state.sr_generator(x2d.device)
+        if _OBSERVERS:
+            rng_state = gen.get_state()
+    pair = pair_fn(x2d, row_opts, col_opts, generator=gen)
+    if pair is None:
+        return None
+    if _OBSERVERS:
+        _observe(state, row[0], row[1], row_opts, rng_state, x2d, pair[0])
+        if col is not None:
+            _observe(state, col[0], col[1], col_opts, rng_state, _columnwise(x2d, col_opts["rht"]), pair[1])
+    return pair
 
 
 def _pad_tokens(xt: torch.Tensor, multiple: int) -> torch.Tensor:
@@ -198,8 +258,19 @@ def _columnwise(x2d: torch.Tensor, rht: bool) -> torch.Tensor:
     return _pad_tokens(xt, TOKEN_PAD) if rht else xt
 
 
+def _nan_filled(shape, nan: bool, dtype, device) -> torch.Tensor:
+    return torch.full(shape, float("nan") if nan else 0.0, dtype=dtype, device=device)
+
+
 class _NVFP4LinearFunction(torch.autograd.Function):
-    """Autograd function of :class:`NVFP4Linear`: see the module docstring for the three GEMMs."""
+    """Autograd function of :class:`NVFP4Linear`: see the module docstring for the three GEMMs.
+
+    Two paths with the same numerics. With a quantizer whose ``quantize_pair`` accepts the
+    operands (the Triton kernels), each of X, W and dY is read once for both of its copies and
+    nothing waits on the GPU. Otherwise every operand is quantized separately from an explicit
+    transpose, and NaN is looked for first (``quantize`` refuses NaN; the layer answers with
+    NaN outputs and gradients).
+    """
 
     @staticmethod
     def forward(ctx, x, weight, bias, state: _LayerState, grad_enabled: bool):  # type: ignore[override]
@@ -210,28 +281,36 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
         ctx.w_dtype = weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.nan_input = bool(torch.isnan(x2d).any()) or bool(torch.isnan(weight).any())
-        if ctx.nan_input or x2d.shape[0] == 0:
-            fill = float("nan") if ctx.nan_input else 0.0
-            return torch.full(out_shape, fill, dtype=x.dtype, device=x.device)
+        ctx.nan_input = False
+        if x2d.shape[0] == 0:
+            return _nan_filled(out_shape, False, x.dtype, x.device)
 
         recipe = state.recipe
         # needs_input_grad is set even under no_grad: skip the backward copies when not training.
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
         need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         with torch.autocast(device_type=x.device.type, enabled=False):
-            qx = _quantize(state, "fprop", "x", x2d, "input_rowwise")
-            qw = _quantize(state, "fprop", "w", weight, "weight")
-            y = state.quantizer.matmul(qx, qw)                       # Fprop [M, N], fp32
-            if bias is not None:
-                y = y + bias.to(torch.float32)
-            # The copies the backward GEMMs need, quantized now as TE does in its forward.
-            ctx.qwt = (_quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise")
-                       if need_dgrad else None)
-            ctx.qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not recipe.disable_rht),
-                                 "input_columnwise")
-                       if need_wgrad else None)
-        return y.to(x.dtype).reshape(out_shape)
+            px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
+                                ("wgrad", "xt", "input_columnwise") if need_wgrad else None)
+            pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
+                                ("dgrad", "wt", "weight_columnwise") if need_dgrad else None) if px else None
+            ctx.fast = px is not None and pw is not None
+            if ctx.fast:
+                (qx, ctx.qxt), (qw, ctx.qwt) = px, pw
+            else:
+                ctx.nan_input = bool(torch.isnan(x2d).any()) or bool(torch.isnan(weight).any())
+                if ctx.nan_input:
+                    return _nan_filled(out_shape, True, x.dtype, x.device)
+                qx = _quantize(state, "fprop", "x", x2d, "input_rowwise")
+                qw = _quantize(state, "fprop", "w", weight, "weight")
+                # The copies the backward GEMMs need, quantized now as TE does in its forward.
+                ctx.qwt = (_quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise")
+                           if need_dgrad else None)
+                ctx.qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not recipe.disable_rht),
+                                     "input_columnwise")
+                           if need_wgrad else None)
+            y = state.quantizer.matmul(qx, qw, out_dtype=x.dtype, bias=bias)   # Fprop [M, N]
+        return y.reshape(out_shape)
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
@@ -246,26 +325,31 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
             ctx.needs_input_grad[2]
         dx = dw = db = None
-        nan = ctx.nan_input or bool(torch.isnan(dy).any())
+        dev = grad_out.device
+        nan = ctx.nan_input or (not ctx.fast and M > 0 and bool(torch.isnan(dy).any()))
         if nan or M == 0:
-            fill = float("nan") if nan else 0.0
-            dev = grad_out.device
             if need_dgrad:
-                dx = torch.full(ctx.x_shape, fill, dtype=ctx.x_dtype, device=dev)
+                dx = _nan_filled(ctx.x_shape, nan, ctx.x_dtype, dev)
             if need_wgrad:
-                dw = torch.full((N, K), fill, dtype=ctx.w_dtype, device=dev)
+                dw = _nan_filled((N, K), nan, ctx.w_dtype, dev)
             if need_dbias:
-                db = torch.full((N,), fill, dtype=ctx.bias_dtype, device=dev)
+                db = _nan_filled((N,), nan, ctx.bias_dtype, dev)
             return dx, dw, db, None, None
-        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+        with torch.autocast(device_type=dev.type, enabled=False):
+            pdy = None
+            if ctx.fast and (need_dgrad or need_wgrad):
+                pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
+                                     ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None)
+            if pdy is not None:
+                qdy, qdyt = pdy
+            else:
+                qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise") if need_dgrad else None
+                qdyt = (_quantize(state, "wgrad", "dyt", _columnwise(dy, not recipe.disable_rht),
+                                  "grad_output_columnwise") if need_wgrad else None)
             if need_dgrad:
-                qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise")
-                dx = state.quantizer.matmul(qdy, ctx.qwt)             # Dgrad [M, K]
-                dx = dx.to(ctx.x_dtype).reshape(ctx.x_shape)
+                dx = state.quantizer.matmul(qdy, ctx.qwt, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)  # Dgrad
             if need_wgrad:
-                dyt = _columnwise(dy, not recipe.disable_rht)
-                qdyt = _quantize(state, "wgrad", "dyt", dyt, "grad_output_columnwise")
-                dw = state.quantizer.matmul(qdyt, ctx.qxt).to(ctx.w_dtype)   # Wgrad [N, K]
+                dw = state.quantizer.matmul(qdyt, ctx.qxt, out_dtype=ctx.w_dtype)                     # Wgrad
             if need_dbias:
                 db = dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
         ctx.qwt = ctx.qxt = None

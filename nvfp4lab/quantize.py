@@ -406,20 +406,30 @@ def fake_quantize(x: torch.Tensor, **options) -> torch.Tensor:
     return quantize(x, **options).dequantize(x.dtype)
 
 
-def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """Exact emulation of an NVFP4 GEMM ``a @ bᵀ``: ``[M, K] × [N, K] -> [M, N]``.
+def _check_bias(bias: torch.Tensor | None, n: int) -> None:
+    if bias is not None and (not isinstance(bias, torch.Tensor) or bias.dim() != 1 or bias.shape[0] != n):
+        shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
+        raise ValueError(f"bias must be a tensor of shape [N] = [{n}], got {shape}")
+
+
+def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32,
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Exact emulation of an NVFP4 GEMM ``a @ bᵀ (+ bias)``: ``[M, K] × [N, K] -> [M, N]``.
 
     Both operands are quantized along the shared contraction dimension ``K``. The
     product of the ``code × block scale`` operands (:meth:`NVFP4Tensor.block_values`,
     exact) is accumulated in FP32, then multiplied in FP32 by
     ``alpha = RN(RN(amax_a · amax_b) / (6·6·448·448))``, the factor TE's GEMM applies
-    (``common/recipe/nvfp4.cu``; reference ``qgemm``). Up to FP32 accumulation
-    order this is what an NVFP4 tensor core computes.
+    (``common/recipe/nvfp4.cu``; reference ``qgemm``); ``bias`` (``[N]``, any float
+    dtype) is then added in FP32 and the sum rounded once to ``out_dtype``. Up to FP32
+    accumulation order this is what an NVFP4 tensor core computes.
 
     Raises:
         ValueError: ``K`` differs, or one operand is RHT-rotated and the other is
-            not (or with other signs): the rotation would not cancel.
+            not (or with other signs): the rotation would not cancel; ``bias`` is not
+            ``[N]``.
     """
+    _check_bias(bias, b.rows)
     if a.cols != b.cols:
         raise ValueError(f"contraction dimensions differ: a has K={a.cols}, b has K={b.cols}")
     if a.rht != b.rht or (
@@ -431,7 +441,10 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         from . import kernels
 
         if kernels.available(a.device) and kernels.available(b.device):
-            return kernels.nvfp4_matmul_fast(a, b, out_dtype)
+            return kernels.nvfp4_matmul_fast(a, b, out_dtype, bias=bias)
     acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
     alpha = (a.amax.float() * b.amax.float()) / _f32(_GEMM_FACTOR, a.device)
-    return (acc * alpha).to(out_dtype)
+    y = acc * alpha
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)

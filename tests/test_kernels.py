@@ -233,6 +233,100 @@ def test_gemm_quantizer_in_nvfp4linear():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
+def test_matmul_fast_epilogue_bias_and_cast(out_dtype):
+    a = quantize(_x((48, 64), torch.bfloat16, seed=8))
+    b = quantize(_x((40, 64), torch.float32, seed=9), block="2d")
+    bias = _x((40,), torch.float32, seed=10)
+    for bb in (None, bias, bias.to(torch.bfloat16)):
+        got = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype, bias=bb)
+        assert got.dtype == out_dtype
+        assert torch.equal(got, nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bb))
+    with pytest.raises(ValueError, match=r"bias must be a tensor of shape \[N\] = \[40\]"):
+        kernels.nvfp4_matmul_fast(a, b, bias=torch.zeros(41))
+
+
+def test_amax_pass_propagates_nan():
+    x = _x((32, 64), torch.bfloat16, seed=11)
+    x[3, 5] = float("nan")
+    q = kernels.quantize_fast(x)
+    assert torch.isnan(q.amax)
+    row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=True, fallback=False)
+    assert torch.isnan(row.amax) and torch.isnan(col.amax)
+    # and through the GEMM's per-tensor factor, every output
+    w = quantize(_x((16, 64), torch.float32, seed=12), block="2d")
+    assert torch.isnan(kernels.nvfp4_matmul_fast(row, w)).all()
+
+
+def _fast_and_reference_layers(recipe, dtype_w=torch.float32):
+    linear = pytest.importorskip("nvfp4lab.linear")
+    torch.manual_seed(0)
+    ref = linear.NVFP4Linear(64, 48, recipe=recipe, dtype=dtype_w)
+    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe, quantizer=kernels.TritonGemmQuantizer())
+    return ref, fast
+
+
+@pytest.mark.parametrize("M, dtype, two_d", [(32, torch.bfloat16, True), (48, torch.float32, False),
+                                             (24, torch.bfloat16, True)])
+def test_nvfp4linear_fused_pair_path_equals_reference(monkeypatch, M, dtype, two_d):
+    """NVFP4Linear through quantize_pair (X, W, dY each read once for both copies) gives the
+    reference path's Y, dX, dW, db bit for bit (RNE); with M % 16 != 0 it declines the pair
+    (the RHT needs whole 16-token chunks) and quantizes operand by operand."""
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    recipe = NVFP4Recipe(disable_stochastic_rounding=True, disable_2d_quantization=not two_d)
+    ref, fast = _fast_and_reference_layers(recipe)
+    calls = []
+    real = kernels.fused_quantize_rowwise_columnwise
+
+    def counting(*a, **k):
+        pair = real(*a, **k)
+        calls.append(pair is not None)
+        return pair
+
+    monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
+    x = _x((M, 64), dtype, seed=13).requires_grad_()
+    out = []
+    for layer in (ref, fast):
+        x.grad = None
+        layer.weight.grad = layer.bias.grad = None
+        y = layer(x)
+        y.float().square().sum().backward()
+        out.append((y, x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone()))
+    for a, b in zip(*out):
+        assert a.dtype == b.dtype and torch.equal(a, b)
+    assert sum(calls) == (3 if M % 16 == 0 else 0)  # X, W, dY each read once for both copies
+
+
+def test_nvfp4linear_fused_path_nan_gives_nan_without_scanning(monkeypatch):
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    _, fast = _fast_and_reference_layers(NVFP4Recipe())
+    monkeypatch.setattr(torch, "isnan", lambda *a: pytest.fail("the fused path must not scan for NaN"))
+    x = _x((32, 64), torch.bfloat16, seed=14)
+    x[0, 0] = float("nan")
+    x.requires_grad_()
+    y = fast(x)
+    y.float().sum().backward()
+    monkeypatch.undo()
+    assert torch.isnan(y).all() and torch.isnan(fast.weight.grad).all()
+
+
+def test_nvfp4linear_fused_path_records_operands():
+    """capture_gemm_operands on the fused path: every RNE operand equals quantize(source)."""
+    from nvfp4lab.linear import capture_gemm_operands
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    _, fast = _fast_and_reference_layers(NVFP4Recipe(disable_stochastic_rounding=True))
+    x = _x((32, 64), torch.bfloat16, seed=15).requires_grad_()
+    with capture_gemm_operands() as ops:
+        fast(x).float().square().sum().backward()
+    assert sorted((o.gemm, o.operand) for o in ops) == sorted(
+        [("fprop", "x"), ("wgrad", "xt"), ("fprop", "w"), ("dgrad", "wt"), ("dgrad", "dy"), ("wgrad", "dyt")])
+    for o in ops:
+        _same(o.tensor, quantize(o.source, **o.options))
+
+
 # ----------------------------------------------------------------------------- stochastic rounding
 def _sr_check(codes, y, n_draws):
     """codes [n_draws, *y.shape] E2M1 codes drawn for the scaled values y (fp32, in E2M1 units)."""

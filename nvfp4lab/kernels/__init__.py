@@ -43,7 +43,7 @@ from typing import Any, Iterator
 import torch
 
 from ..hadamard import RHT_SIZE, WGRAD_SIGN_MASK, WGRAD_SIGNS
-from ..quantize import NVFP4Tensor, nvfp4_matmul, quantize
+from ..quantize import NVFP4Tensor, _check_bias, nvfp4_matmul, quantize
 
 __all__ = [
     "available",
@@ -54,6 +54,7 @@ __all__ = [
     "block_values_bf16",
     "dequantize_to_bf16",
     "nvfp4_matmul_fast",
+    "quantize_pair_fast",
     "TritonGemmQuantizer",
     "CONFIG",
 ]
@@ -235,7 +236,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             a_cfg = CONFIG["amax_slices"]
             G, BK = a_cfg["G"], a_cfg["BK"]
             k.amax_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
-                x2, buf, M, K, x2.stride(0), x2.stride(1), ROW=do_row, COL_RHT=True,
+                x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1), ROW=do_row, COL_RHT=True,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
                 num_warps=a_cfg["num_warps"], **_launch_opts())
@@ -243,7 +244,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             a_cfg = CONFIG["amax"]
             BM, BK = a_cfg["BM"], a_cfg["BK"]
             k.amax_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
-                x2, buf, M, K, x2.stride(0), x2.stride(1),
+                x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1),
                 ROW=do_row, ROW_RHT=row_rht, COL_RHT=do_col_rht,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
                 EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
@@ -488,28 +489,80 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
-def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def _epilogue(acc: torch.Tensor, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
+              bias: torch.Tensor | None) -> torch.Tensor:
+    """``cast(RN(RN(acc · alpha) + bias))`` in one kernel (FP32 or BF16 output), else in torch ops."""
+    M, N = acc.shape
+    if out_dtype in (torch.float32, torch.bfloat16) and acc.is_contiguous() and (
+            bias is None or (bias.dim() == 1 and bias.numel() == N and bias.device == acc.device)):
+        out = acc if out_dtype == torch.float32 else torch.empty(M, N, dtype=out_dtype, device=acc.device)
+        bf16 = out_dtype == torch.bfloat16
+        bias_c = None if bias is None else bias.contiguous()
+        BM, BN = 32, 128
+        _kernels().gemm_epilogue_kernel[(_cdiv(M, BM), _cdiv(N, BN))](
+            acc, a.amax.reshape(1).float(), b.amax.reshape(1).float(), acc if bias_c is None else bias_c,
+            out.view(torch.int16) if bf16 else out, M, N, acc.stride(0), N, _GEMM_FACTOR,
+            HAS_BIAS=bias is not None, OUT_BF16=bf16, BM=BM, BN=BN, num_warps=4, **_launch_opts())
+        return out
+    alpha = (a.amax.float() * b.amax.float()) / torch.full((), _GEMM_FACTOR, device=acc.device)
+    y = acc * alpha
+    if bias is not None:
+        y = y + bias.to(torch.float32)
+    return y.to(out_dtype)
+
+
+def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32,
+                      bias: torch.Tensor | None = None) -> torch.Tensor:
     """:func:`nvfp4lab.quantize.nvfp4_matmul` through BF16 block values and cuBLAS.
 
     ``code × block scale`` is exact in BF16, so a BF16 GEMM with FP32 accumulation
     (``torch.mm(..., out_dtype=torch.float32)``) computes the same sum up to FP32 accumulation
-    order; then ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` is applied in FP32 as the
-    reference does. Same checks and errors as the reference.
+    order; then one epilogue kernel applies ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))``
+    in FP32, adds ``bias`` (FP32) and rounds to ``out_dtype``, the reference's operations in
+    its order. Same checks and errors as the reference.
 
     A fused GEMM reading the packed FP4 operands was not written: the emulation's GEMM is
     compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM
     would have to match cuBLAS's BF16 rate while decoding in its main loop; the decode here
     costs one extra memory pass per operand (see the benchmark).
     """
+    _check_bias(bias, b.rows)
     if a.cols != b.cols or a.rht != b.rht or (
         a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
     ):
-        return nvfp4_matmul(a, b, out_dtype=out_dtype)  # raises the reference's ValueError
+        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)  # raises the reference's ValueError
     if not (available(a.device) and available(b.device)):
-        return nvfp4_matmul(a, b, out_dtype=out_dtype)
+        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
     acc = _mm_fp32(block_values_bf16(a), block_values_bf16(b))
-    alpha = (a.amax.float() * b.amax.float()) / _GEMM_FACTOR  # fp32 division by an exact fp32 scalar
-    return (acc * alpha).to(out_dtype)
+    return _epilogue(acc, a, b, out_dtype, bias)
+
+
+def quantize_pair_fast(x: torch.Tensor, row: dict[str, Any] | None, col: dict[str, Any] | None = None, *,
+                       generator: torch.Generator | None = None) -> tuple[Any, Any] | None:
+    """The rowwise and columnwise NVFP4 copies of ``x`` [M, K] for one training step, or ``None``.
+
+    ``row``, ``col``: :meth:`nvfp4lab.recipe.NVFP4Recipe.quantize_options` of the two roles
+    (``col`` ``None``: only the rowwise copy). Returns ``(quantize(x, **row),
+    quantize(x.t(), **col))`` computed by :func:`fused_quantize_rowwise_columnwise`
+    (``(row, None)`` by :func:`quantize_fast` when ``col`` is ``None``), or ``None`` when
+    the fast path does not apply: options the fused kernels do not cover (the two copies must
+    share ``block`` and ``rounding``, and only the columnwise copy may use the RHT), an RHT with
+    ``M % 16 != 0``, or the device (see :func:`available`). No NaN scan and so no host
+    synchronisation: a NaN in ``x`` makes the amaxes NaN, which makes every GEMM output using
+    these operands NaN (:func:`nvfp4_matmul_fast`'s per-tensor factor).
+    """
+    if row is None or row.get("rht", False):
+        return None
+    if col is None:
+        return quantize_fast(x, generator=generator, **row), None
+    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
+    if (col.get("block", "1d"), col.get("rounding", "nearest")) != (block, rounding):
+        return None
+    if row.get("amax") is not None or col.get("amax") is not None:
+        return None
+    return fused_quantize_rowwise_columnwise(
+        x, block=block, rht=bool(col.get("rht", False)), rounding=rounding, generator=generator,
+        rht_signs=col.get("rht_signs", WGRAD_SIGNS), fallback=False)
 
 
 class TritonGemmQuantizer:
@@ -517,8 +570,10 @@ class TritonGemmQuantizer:
 
     ``NVFP4Linear(..., quantizer=TritonGemmQuantizer())`` or ``convert_model(...,
     quantizer=TritonGemmQuantizer())``. ``quantize`` returns what
-    :func:`~nvfp4lab.quantize.quantize` returns (bit-identical for RNE); ``matmul`` is
-    :func:`nvfp4_matmul_fast` with an FP32 result.
+    :func:`~nvfp4lab.quantize.quantize` returns (bit-identical for RNE); ``quantize_pair`` is
+    :func:`quantize_pair_fast`; ``matmul`` is :func:`nvfp4_matmul_fast`. Unlike the default
+    :class:`~nvfp4lab.linear.NVFP4GemmQuantizer`, which takes the kernels on CUDA only, this one
+    also takes them on CPU in Triton's interpreter (how the CPU tests run the fast layer path).
     """
 
     name = "nvfp4-triton"
@@ -527,5 +582,10 @@ class TritonGemmQuantizer:
         q = quantize_fast(x, **options)
         return q if q is not None else quantize(x, **options)
 
-    def matmul(self, a, b) -> torch.Tensor:
-        return nvfp4_matmul_fast(a, b, out_dtype=torch.float32)
+    def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
+                      generator: torch.Generator | None = None):
+        return quantize_pair_fast(x, row, col, generator=generator)
+
+    def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
+               bias: torch.Tensor | None = None) -> torch.Tensor:
+        return nvfp4_matmul_fast(a, b, out_dtype=out_dtype, bias=bias)

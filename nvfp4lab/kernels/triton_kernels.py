@@ -61,6 +61,20 @@ def _global_scales(amax, inv6):
 
 
 @triton.jit
+def _abs_bits(v):
+    """``|v|`` as int32 bits (sign cleared). For non-negative floats the integer order is the
+    float order, and every NaN's bits exceed +inf's, so an integer max of these is a
+    NaN-propagating amax (``tl.maximum`` on floats would drop NaN)."""
+    return v.to(tl.int32, bitcast=True) & 0x7FFFFFFF
+
+
+@triton.jit
+def _amax_bits(v):
+    """NaN-propagating ``max |v|`` of a 2-D tile as int32 bits (see :func:`_abs_bits`)."""
+    return tl.max(tl.max(_abs_bits(v), axis=1), axis=0)
+
+
+@triton.jit
 def _e4m3_rne(s):
     """``s`` float32 in [0, 448] -> (RNE E4M3 value as float32, its E4M3 bit pattern as int32)."""
     bits = s.to(tl.int32, bitcast=True)
@@ -293,17 +307,21 @@ def amax_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
                 SIGN_MASK: tl.constexpr, RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
                 BM: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
     """Global amax pass: atomic max of |x| (or |RHT_K(x)|) into amax[0] when ROW, and of
-    |RHT_M(x)| (the columnwise copy's post-RHT values) into amax[1] when COL_RHT."""
+    |RHT_M(x)| (the columnwise copy's post-RHT values) into amax[1] when COL_RHT.
+
+    ``amax_ptr`` is the float32 amax buffer viewed as int32: the max is taken on the bits of
+    |x| (:func:`_amax_bits`), so a NaN anywhere gives a NaN amax (which then turns every GEMM
+    output that uses this operand into NaN, through the per-tensor factor) without a host sync."""
     pm, pk = _tile_index(M, K, BM, BK, False)
     x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK, EVEN, I64)
     if ROW:
         v = x
         if ROW_RHT:
             v = _rht16(x, BM, BK, SIGN_MASK, RHT_F64, ROUND_BF16)
-        tl.atomic_max(amax_ptr, tl.max(tl.max(tl.abs(v), axis=1), axis=0))
+        tl.atomic_max(amax_ptr, _amax_bits(v))
     if COL_RHT:
         vt = _rht16(tl.trans(x), BK, BM, SIGN_MASK, RHT_F64, ROUND_BF16)
-        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(tl.abs(vt), axis=1), axis=0))
+        tl.atomic_max(amax_ptr + 1, _amax_bits(vt))
 
 
 @triton.jit
@@ -586,7 +604,8 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
                        RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
     """amax pass for the 16-slice layout (M % 16 == 0): max|x| into amax[0] when ROW and the
-    columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel."""
+    columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel.
+    NaN-propagating integer max on int32 ``amax_ptr``, as :func:`amax_kernel`."""
     BM: tl.constexpr = 16 * G
     pm, pk = _tile_index(M, K, BM, BK, False)
     g = pm * BM + tl.arange(0, G) * 16
@@ -603,9 +622,9 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
         xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     if ROW:
-        m = tl.abs(xs[0])
+        m = _abs_bits(xs[0])
         for i in tl.static_range(1, 16):
-            m = tl.maximum(m, tl.abs(xs[i]))
+            m = tl.maximum(m, _abs_bits(xs[i]))
         tl.atomic_max(amax_ptr, tl.max(tl.max(m, axis=1), axis=0))
     if COL_RHT:
         if RHT_F64:
@@ -623,7 +642,38 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
             ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         if ROUND_BF16:
             ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        mc = tl.abs(ys[0])
+        mc = _abs_bits(ys[0])
         for i in tl.static_range(1, 16):
-            mc = tl.maximum(mc, tl.abs(ys[i]))
+            mc = tl.maximum(mc, _abs_bits(ys[i]))
         tl.atomic_max(amax_ptr + 1, tl.max(tl.max(mc, axis=1), axis=0))
+
+
+# ----------------------------------------------------------------------------- GEMM epilogue
+@triton.jit
+def gemm_epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, N, acc_rs, out_rs,
+                         gemm_factor, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
+                         BM: tl.constexpr, BN: tl.constexpr):
+    """The per-tensor factor, bias and output cast of an emulated NVFP4 GEMM, in one pass.
+
+    ``out = cast(RN(RN(acc · alpha) + bias))`` with ``alpha = RN(RN(amax_a · amax_b) / 6²·448²)``
+    (IEEE division), the FP32 operations of :func:`nvfp4lab.quantize.nvfp4_matmul` in its order;
+    ``cast`` is RNE to BF16 (``OUT_BF16``, stored as int16 bits) or none (FP32). ``acc`` [M, N]
+    FP32 is the accumulated product of the block values (cuBLAS).
+    """
+    pm = tl.program_id(0)
+    pn = tl.program_id(1)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    cols = pn * BN + tl.arange(0, BN)
+    mask = (rows[:, None] < M) & (cols[None, :] < N)
+    acc = tl.load(acc_ptr + rows[:, None] * acc_rs + cols[None, :], mask=mask, other=0.0)
+    ab = tl.load(amax_a_ptr).to(tl.float32) * tl.load(amax_b_ptr).to(tl.float32)
+    alpha = tl.math.div_rn(ab, gemm_factor)
+    t = acc * alpha
+    if HAS_BIAS:
+        b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
+        t = t + b[None, :]
+    optrs = out_ptr + rows[:, None] * out_rs + cols[None, :]
+    if OUT_BF16:
+        tl.store(optrs, (_round_bf16(t).to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=mask)
+    else:
+        tl.store(optrs, t, mask=mask)
