@@ -98,6 +98,11 @@ def test_bf16_rounding_matches_torch():
     y = x.clone()
     _bf16_probe[(1,)](y, N=4096)
     assert torch.equal(y, x.to(torch.bfloat16).float())
+    # NaNs, the GPU's canonical 0x7FFFFFFF among them, stay NaN (integer rounding alone gives -0.0)
+    nans = torch.tensor([0x7FFFFFFF, -1, 0x7FC00000, 0x7F800001] * 4, dtype=torch.int32)
+    y = nans.view(torch.float32).clone()
+    _bf16_probe[(1,)](y, N=nans.numel())
+    assert torch.equal(y.view(torch.int32), torch.full_like(nans, 0x7FC00000))
 
 
 # ----------------------------------------------------------------------------- bit-exactness

@@ -100,9 +100,13 @@ def _e4m3_decode(code):
 
 @triton.jit
 def _round_bf16(v):
-    """Round float32 to the nearest BF16 value (ties to even), returned as float32."""
+    """Round float32 to the nearest BF16 value (ties to even), returned as float32.
+
+    NaN gives torch's BF16 NaN (0x7FC0): the integer rounding would carry a NaN with an
+    all-ones significand (0x7FFFFFFF, the GPU's canonical NaN) into the sign bit (-0.0)."""
     b = v.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
+    r = tl.where(v != v, 0x7FC00000, r)
     return r.to(tl.float32, bitcast=True)
 
 

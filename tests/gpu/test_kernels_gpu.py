@@ -149,6 +149,59 @@ def test_gemm_quantizer_in_nvfp4linear():
     assert torch.isfinite(full.weight.grad).all()
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_gemm_epilogue_bit_exact(out_dtype):
+    """alpha, bias and the cast in one kernel == the reference's FP32 torch ops on the same acc."""
+    a = kernels.quantize_fast(_x((1024, 512), torch.bfloat16, seed=8))
+    b = kernels.quantize_fast(_x((768, 512), torch.float32, seed=9), block="2d")
+    acc = kernels._mm_fp32(kernels.block_values_bf16(a), kernels.block_values_bf16(b))
+    bias = _x((768,), torch.bfloat16, seed=10)
+    alpha = (a.amax.float() * b.amax.float()) / torch.full((), 7225344.0, device=DEV)
+    ref = (acc * alpha + bias.float()).to(out_dtype)
+    assert torch.equal(kernels._epilogue(acc.clone(), a, b, out_dtype, bias), ref)
+
+
+def test_default_nvfp4linear_takes_the_fused_path(monkeypatch):
+    """On CUDA the default quantizer quantizes X, W and dY once each for both copies and
+    agrees with the operand-by-operand reference (FP32 accumulation order only); a NaN in X
+    gives NaN Y and dW with no host-side scan."""
+    linear = pytest.importorskip("nvfp4lab.linear")
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    recipe = NVFP4Recipe(disable_stochastic_rounding=True)
+    torch.manual_seed(0)
+    layer = linear.NVFP4Linear(512, 384, device=DEV, recipe=recipe)
+    x = _x((4, 256, 512), torch.bfloat16, seed=11).requires_grad_()
+    with kernels.disabled():
+        y_ref = layer(x)
+        y_ref.float().square().sum().backward()
+    g_ref = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
+    x.grad = layer.weight.grad = layer.bias.grad = None
+    calls = []
+    real = kernels.fused_quantize_rowwise_columnwise
+
+    def counting(*a, **k):
+        pair = real(*a, **k)
+        calls.append(pair is not None)
+        return pair
+
+    monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
+    y = layer(x)
+    y.float().square().sum().backward()
+    assert sum(calls) == 3
+    for a, b in ((y, y_ref), (x.grad, g_ref[0]), (layer.weight.grad, g_ref[1]), (layer.bias.grad, g_ref[2])):
+        assert a.dtype == b.dtype
+        assert ((a.float() - b.float()).norm() / b.float().norm()).item() < 1e-2 if a.dtype == torch.bfloat16 \
+            else ((a - b).norm() / b.norm()).item() < 1e-5
+    xn = x.detach().clone()
+    xn[0, 0, 0] = float("nan")
+    xn.requires_grad_()
+    layer.weight.grad = None
+    yn = layer(xn)
+    yn.float().sum().backward()
+    assert torch.isnan(yn).all() and torch.isnan(layer.weight.grad).all()
+
+
 # ----------------------------------------------------------------------------- SR statistics
 def _bracket(y):
     a = y.clamp(-6, 6).abs()
