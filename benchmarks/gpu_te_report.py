@@ -338,6 +338,7 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.
         torch.cuda.reset_peak_memory_stats(device)
     torch.manual_seed(setup["seed"])
     t_start = time.perf_counter()
+    sr_gen = None
     if backend == "te":
         if device.type != "cuda":
             raise Skip("--backend te needs a CUDA GPU")
@@ -352,23 +353,55 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.
     else:
         model = GPT(cfg).to(device)
         sr_gen = torch.Generator(device=device).manual_seed(setup["seed"] + 1_000_003)
+        if precision != "nvfp4":
+            sr_gen = None  # nothing draws from it
         convert_model(model, precision, recipe, generator=sr_gen)
         counts: dict[str, int] = {"nvfp4": 0, "fp8": 0, "high": 0}
         for v in layer_precisions(model).values():
             counts[v] = counts.get(v, 0) + 1
         run["layers"] = counts
-    opt = torch.optim.AdamW(_param_groups(model, 0.1), lr=setup["lr"], betas=(0.9, 0.95), eps=1e-8)
+    graphed = bool(spec.get("graph"))
+    if graphed and (device.type != "cuda" or backend != "nvfp4lab"):
+        raise Skip("CUDA-graph runs need a CUDA GPU and the nvfp4lab backend")
+    # capturable AdamW with a tensor learning rate: the optimizer step can live in a CUDA graph
+    opt = torch.optim.AdamW(_param_groups(model, 0.1), betas=(0.9, 0.95), eps=1e-8,
+                            lr=torch.tensor(setup["lr"], device=device) if graphed else setup["lr"],
+                            capturable=graphed)
     params = [p for g in opt.param_groups for p in g["params"]]
     data_gen = torch.Generator().manual_seed(setup["seed"] + 2_000_003)
-    amp = (torch.autocast(device_type=device.type, dtype=torch.bfloat16) if precision != "fp32"
-           else contextlib.nullcontext())
+
+    def amp():
+        return (torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=not graphed)
+                if precision != "fp32" else contextlib.nullcontext())
+
+    def set_lr(step: int) -> None:
+        lr = _lr_at(step, setup["lr"], steps, setup["warmup_steps"])
+        for g in opt.param_groups:
+            if graphed:
+                g["lr"].fill_(lr)
+            else:
+                g["lr"] = lr
+
+    def train_step(x, y):
+        opt.zero_grad(set_to_none=True)
+        with amp():
+            _, loss = model(x, y)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        return loss.detach()
+
+    graph = static = None
+    if graphed:
+        run["cuda_graph"] = ("zero_grad + forward + backward + clip + AdamW step captured once after "
+                             f"{GRAPH_WARMUP_STEPS} eager warm-up steps on a side stream, then replayed")
 
     def evaluate() -> float:
         model.eval()
         total = 0.0
         with torch.no_grad():
             for x, y in data["val_batches"]:
-                with amp:
+                with amp():
                     _, loss = model(x.to(device), y.to(device))
                 total += float(loss)
         model.train()
@@ -377,19 +410,33 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.
     steps, losses, step_s, val_curve = setup["steps"], [], [], []
     model.train()
     for step in range(steps):
-        for g in opt.param_groups:
-            g["lr"] = _lr_at(step, setup["lr"], steps, setup["warmup_steps"])
+        set_lr(step)
         x, y = get_batch(data["train"], setup["batch_size"], setup["seq_len"], data_gen)
         _sync(device)
         t0 = time.perf_counter()
         x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        opt.zero_grad(set_to_none=True)
-        with amp:
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        value = float(loss.detach())  # synchronizes
+        if not graphed:
+            loss = train_step(x, y)
+        elif step < GRAPH_WARMUP_STEPS:  # eager steps on a side stream: Triton compiles, lazy inits
+            side = torch.cuda.Stream(device)
+            side.wait_stream(torch.cuda.current_stream(device))
+            with torch.cuda.stream(side):
+                loss = train_step(x, y)
+            torch.cuda.current_stream(device).wait_stream(side)
+        else:
+            if graph is None:
+                static = (x.clone(), y.clone())
+                graph = torch.cuda.CUDAGraph()
+                if sr_gen is not None:
+                    graph.register_generator_state(sr_gen)  # fresh SR draws on every replay
+                opt.zero_grad(set_to_none=True)
+                with torch.cuda.graph(graph):
+                    static_loss = train_step(*static)
+            static[0].copy_(x)
+            static[1].copy_(y)
+            graph.replay()
+            loss = static_loss
+        value = float(loss)  # synchronizes
         step_s.append(time.perf_counter() - t0)
         if not math.isfinite(value):
             run.update(status="error", error=f"non-finite loss {value} at step {step}")
@@ -426,7 +473,11 @@ TRAIN_RUNS = (
     {"name": "te-nvfp4", "backend": "te", "precision": "nvfp4"},
     {"name": "nvfp4lab-bf16", "backend": "nvfp4lab", "precision": "bf16"},
     {"name": "nvfp4lab-nvfp4", "backend": "nvfp4lab", "precision": "nvfp4"},
+    {"name": "nvfp4lab-bf16-graph", "backend": "nvfp4lab", "precision": "bf16", "graph": True},
+    {"name": "nvfp4lab-nvfp4-graph", "backend": "nvfp4lab", "precision": "nvfp4", "graph": True},
 )
+#: Eager steps before a training step is captured in a CUDA graph (runs named ``*-graph``).
+GRAPH_WARMUP_STEPS = 3
 #: Only when named in --runs: TE's pure-PyTorch NVFP4 reference through the TE model (slow).
 OPTIONAL_RUNS = (
     {"name": "te-nvfp4-reference", "backend": "te", "precision": "nvfp4-reference"},

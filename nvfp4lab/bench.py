@@ -8,12 +8,15 @@ Measured side by side in one run, written to JSON (``--out``, default
    for the roles of the recipe, against the copy bandwidth; and the pure-PyTorch reference.
    Two byte counts: ``min_bytes`` (input read once + outputs written: 2.5625 B/element for a
    1×16 bf16 quantize, 3.125 with both copies) and ``moved_bytes`` (what the two-pass kernels
-   move: the amax pass reads the input once more). ``frac_copy`` uses ``min_bytes``.
-3. **linear**: ``NVFP4Linear`` forward+backward (full recipe: RHT, SR gradients, 2D weights) with
-   the Triton quantizer plug vs BF16 ``nn.Linear``, at M=8192, K=N=4096 and GPT-2-small's layer
-   shapes; a sketch of the same three GEMMs using the fused row+col kernels (what a
-   ``linear.py`` hook would give); the pure-PyTorch reference; TE's FP8 recipes and NVFP4
-   reference recipe when Transformer Engine is installed.
+   move: the amax pass reads the input once more). ``frac_copy`` uses ``min_bytes`` and the
+   kernels' GPU time (``ms``: the call captured in a CUDA graph and replayed, so that Python and
+   launch overhead do not count); ``eager_ms`` is the same call made from Python each time.
+3. **linear**: ``NVFP4Linear`` forward+backward (full recipe: RHT, SR gradients, 2D weights) on
+   the fused Triton path vs BF16 ``nn.Linear``, at M=8192, K=N=4096 and GPT-2-small's layer
+   shapes; the pure-PyTorch reference; TE's FP8 recipes and NVFP4 reference recipe when
+   Transformer Engine is installed. ``ms`` / ``vs_bf16``: eager (what a Python training loop
+   sees); ``graph_ms`` / ``graph_vs_bf16``: the same fwd+bwd captured in a CUDA graph (GPU
+   time alone; not measured for TE's modules, which need ``te.make_graphed_callables``).
 4. **cpu**: quantize time of a 4096² fp32 tensor on CPU, nvfp4lab vs torchao 0.18
    ``nvfp4_quantize`` (two-level scaling, amax included), when torchao is installed.
 
@@ -69,6 +72,30 @@ def _time_ms(fn: Callable[[], Any], device: str, repeat: int, rep_ms: int = 200)
 
         return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 8), rep=rep_ms, return_mode="median"))
     return _cpu_time(fn, repeat)
+
+
+def _graph_ms(fn: Callable[[], Any], rep_ms: int = 200, generators: tuple = ()) -> float:
+    """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed: the GPU time of
+    its kernels without Python and launch overhead (``triton.testing.do_bench`` on the replay,
+    L2 flushed between repeats). ``generators``: custom CUDA generators ``fn`` draws from
+    (registered with the graph so every replay draws fresh numbers). Raises what capture raises."""
+    import triton.testing
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):  # warm-up (Triton compiles, cuBLAS picks algorithms) off the capture
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators:
+        graph.register_generator_state(gen)
+    with torch.cuda.graph(graph):
+        fn()
+    ms = float(triton.testing.do_bench(graph.replay, warmup=max(25, rep_ms // 8), rep=rep_ms, return_mode="median"))
+    del graph
+    return ms
 
 
 def _rotating(make: Callable[[int], Any], nbytes: int, device: str) -> Callable[[], Any]:
@@ -182,16 +209,25 @@ def bench_quantize(device: str, sizes: list[int], repeat: int, copy_gbps: float,
             else:
                 f, out_per_el, passes = spec
                 fn = lambda f=f: f(gen())  # noqa: E731
+                q = None
                 min_b = nbytes_in + n * n * out_per_el
                 moved = min_b + (passes - 1) * nbytes_in
             try:
-                ms = _time_ms(fn, device, repeat)
+                eager = _time_ms(fn, device, repeat)
+                if device == "cuda":  # kernel throughput: one input, captured, replayed
+                    x_fixed = gen()
+                    f_fixed = (lambda q=q: kernels.block_values_bf16(q)) if spec is None \
+                        else (lambda f=f, x_fixed=x_fixed: f(x_fixed))
+                    ms = _graph_ms(f_fixed)
+                else:
+                    ms = eager
             except Exception as exc:  # report and continue
                 rows.append({"case": name, "n": n, "dtype": str(dtype), "error": repr(exc)[:300]})
                 continue
             gbps = min_b / ms / 1e6
             rows.append({"case": name, "impl": "triton", "n": n, "dtype": str(dtype).replace("torch.", ""),
-                         "ms": ms, "min_bytes": min_b, "moved_bytes": moved, "GBps": gbps,
+                         "ms": ms, "timing": "cuda_graph" if device == "cuda" else "eager", "eager_ms": eager,
+                         "min_bytes": min_b, "moved_bytes": moved, "GBps": gbps,
                          "moved_GBps": moved / ms / 1e6, "frac_copy": gbps / copy_gbps if copy_gbps else None})
         if n <= reference_max:
             min_b = nbytes_in + n * n * (0.5 + 1 / 16)
@@ -206,32 +242,6 @@ def bench_quantize(device: str, sizes: list[int], repeat: int, copy_gbps: float,
 
 
 # ----------------------------------------------------------------------------- 3. linear fwd+bwd
-class _FusedSketch(torch.autograd.Function):
-    """The three NVFP4 GEMMs of TE's recipe using the fused row+col kernels (no NaN checks,
-    no bias): what NVFP4Linear would cost with a hook for fused quantization (see the report)."""
-
-    @staticmethod
-    def forward(ctx, x, w):
-        K = x.shape[-1]
-        x2 = x.reshape(-1, K)
-        qx, qxt = kernels.fused_quantize_rowwise_columnwise(x2, rht=True)
-        qw, qwt = kernels.fused_quantize_rowwise_columnwise(w, block="2d")
-        y = kernels.nvfp4_matmul_fast(qx, qw, out_dtype=x.dtype)
-        ctx.saved = (qxt, qwt)
-        ctx.shape = x.shape
-        ctx.w_dtype = w.dtype
-        return y.reshape(*x.shape[:-1], w.shape[0])
-
-    @staticmethod
-    def backward(ctx, dy):
-        qxt, qwt = ctx.saved
-        dy2 = dy.reshape(-1, dy.shape[-1])
-        qdy, qdyt = kernels.fused_quantize_rowwise_columnwise(dy2, rht=True, rounding="stochastic")
-        dx = kernels.nvfp4_matmul_fast(qdy, qwt, out_dtype=dy.dtype).reshape(ctx.shape)
-        dw = kernels.nvfp4_matmul_fast(qdyt, qxt, out_dtype=ctx.w_dtype)
-        return dx, dw
-
-
 def _linear_variants(device: str, K: int, N: int, with_reference: bool):
     """name -> module factory (each module maps bf16 [M, K] -> [M, N])."""
     variants: dict[str, Callable[[], Any]] = {}
@@ -244,13 +254,17 @@ def _linear_variants(device: str, K: int, N: int, with_reference: bool):
         NVFP4Linear = None
     if NVFP4Linear is not None:
         if kernels.available(device):
-            variants["nvfp4_linear_triton"] = lambda: NVFP4Linear(
-                K, N, bias=False, device=device, dtype=dtype, quantizer=kernels.TritonGemmQuantizer())
+            def fast():
+                gen = torch.Generator(device).manual_seed(0)
+                layer = NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, generator=gen,
+                                    quantizer=kernels.TritonGemmQuantizer())
+                layer.sr_generators = (gen,)  # registered with the CUDA graph (SR draws per replay)
+                return layer
+
+            variants["nvfp4_linear_triton"] = fast
         if with_reference:
             variants["nvfp4_linear_pytorch_reference"] = lambda: _Disabled(
                 NVFP4Linear(K, N, bias=False, device=device, dtype=dtype))
-    if kernels.available(device):
-        variants["nvfp4_fused_sketch"] = lambda: _Sketch(K, N, device, dtype)
     if device == "cuda":
         variants.update(_te_variants(K, N))
     return variants
@@ -264,15 +278,6 @@ class _Disabled(torch.nn.Module):
     def forward(self, x):
         with kernels.disabled():
             return self.inner(x)
-
-
-class _Sketch(torch.nn.Module):
-    def __init__(self, K, N, device, dtype):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.randn(N, K, device=device, dtype=dtype) * K**-0.5)
-
-    def forward(self, x):
-        return _FusedSketch.apply(x, self.weight)
 
 
 def _te_variants(K: int, N: int) -> dict:
@@ -318,7 +323,7 @@ def bench_linear(device: str, shapes: list[tuple[str, int, int, int]], repeat: i
         g = torch.Generator(device).manual_seed(0)
         x = torch.randn(M, K, device=device, generator=g).to(torch.bfloat16).requires_grad_()
         dy = torch.randn(M, N, device=device, generator=g).to(torch.bfloat16)
-        base = None
+        base = base_graph = None
         for name, factory in _linear_variants(device, K, N, with_reference and label == shapes[0][0]).items():
             try:
                 mod = factory()
@@ -338,11 +343,25 @@ def bench_linear(device: str, shapes: list[tuple[str, int, int, int]], repeat: i
             except Exception as exc:
                 rows.append({"shape": label, "M": M, "K": K, "N": N, "impl": name, "error": repr(exc)[:300]})
                 continue
+            graph_ms = graph_err = None
+            if device == "cuda" and not slow and not name.startswith("te_"):
+                try:
+                    x.grad = None
+                    graph_ms = _graph_ms(lambda mod=mod: mod(x).backward(dy), rep_ms=300,
+                                         generators=tuple(getattr(mod, "sr_generators", ())))
+                except Exception as exc:  # report and continue
+                    graph_err = repr(exc)[:300]
             if name == "bf16_nn.Linear":
-                base = ms
-            rows.append({"shape": label, "M": M, "K": K, "N": N, "impl": name, "ms": ms,
-                         "vs_bf16": ms / base if base else None, "peak_mem_mib": peak,
-                         "tflops_3gemm": 6 * M * K * N / ms / 1e9})
+                base, base_graph = ms, graph_ms
+            row = {"shape": label, "M": M, "K": K, "N": N, "impl": name, "ms": ms,
+                   "vs_bf16": ms / base if base else None, "peak_mem_mib": peak,
+                   "tflops_3gemm": 6 * M * K * N / ms / 1e9}
+            if device == "cuda":
+                row.update(graph_ms=graph_ms, graph_vs_bf16=(graph_ms / base_graph if graph_ms and base_graph
+                                                             else None))
+                if graph_err:
+                    row["graph_error"] = graph_err
+            rows.append(row)
             del mod
         _log([r for r in rows if r.get("shape") == label])
     return rows
@@ -411,8 +430,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("GB/s (input read once + outputs written)")
     ax.set_title("NVFP4 quantize throughput", fontsize=9)
     ax = axes[1]
-    ax.barh(range(len(lin)), [r["vs_bf16"] or 0 for r in lin], color="C1")
-    ax.set_yticks(range(len(lin)), [f'{r["shape"]} {r["impl"]} ({r["ms"]:.2f} ms)' for r in lin], fontsize=6)
+    pos = list(range(len(lin)))
+    ax.barh([p - 0.2 for p in pos], [r["vs_bf16"] or 0 for r in lin], height=0.4, color="C1", label="eager")
+    ax.barh([p + 0.2 for p in pos], [r.get("graph_vs_bf16") or 0 for r in lin], height=0.4, color="C2",
+            label="CUDA graph (GPU time)")
+    ax.set_yticks(pos, [f'{r["shape"]} {r["impl"]} ({r["ms"]:.2f} ms)' for r in lin], fontsize=6)
     ax.axvline(1.0, color="k", ls="--")
     ax.axvline(1.3, color="g", ls=":", label="target 1.3x")
     ax.set_xscale("log")
@@ -481,6 +503,11 @@ def run(args: argparse.Namespace) -> int:
                              "target": 0.7}
     if "linear" not in skip:
         result["linear"] = bench_linear(device, lin_shapes, repeat, not args.no_reference)
+        big = lin_shapes[0][0]
+        result.setdefault("targets", {})["linear_vs_bf16"] = {
+            "shape": big, "target": 1.3,
+            **{f"{r['impl']}_{k}": r.get(k) for r in result["linear"] if r.get("shape") == big
+               and r.get("impl") == "nvfp4_linear_triton" for k in ("vs_bf16", "graph_vs_bf16")}}
     if "cpu" not in skip:
         result["cpu"] = bench_cpu(cpu_n, 3 if smoke else 5)
     name = result["meta"].get("device", device)

@@ -62,7 +62,7 @@ def test_training_section(report):
     tr = data["sections"]["training"]
     runs = tr["runs"]
     assert set(runs) == {"te-bf16", "te-fp8-current", "te-fp8-delayed", "te-fp8-block", "te-nvfp4",
-                         "nvfp4lab-bf16", "nvfp4lab-nvfp4"}
+                         "nvfp4lab-bf16", "nvfp4lab-nvfp4", "nvfp4lab-bf16-graph", "nvfp4lab-nvfp4-graph"}
     for name in ("nvfp4lab-bf16", "nvfp4lab-nvfp4"):
         r = runs[name]
         assert r["status"] == "ok", r
@@ -72,7 +72,7 @@ def test_training_section(report):
         assert r["tokens_per_s"] > 0 and r["val_curve"][-1][0] == tr["setup"]["steps"]
     assert runs["nvfp4lab-nvfp4"]["layers"]["nvfp4"] == 4  # ci preset: 3 blocks, the middle one NVFP4
     if not torch.cuda.is_available():
-        for name in ("te-bf16", "te-fp8-current", "te-nvfp4"):
+        for name in ("te-bf16", "te-fp8-current", "te-nvfp4", "nvfp4lab-nvfp4-graph"):
             assert runs[name]["status"] == "skipped" and runs[name]["reason"]
 
 
