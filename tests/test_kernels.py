@@ -238,6 +238,26 @@ def test_gemm_quantizer_in_nvfp4linear():
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("shape", [(48, 64), (17, 256), (3, 5, 32)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_one_block_per_thread_kernels_equal_tile_kernels(monkeypatch, shape, dtype):
+    """quantize_rows_kernel / block_values_rows_kernel (ROWS_KERNEL) give the tile kernels' bytes,
+    RNE and SR alike (same Philox counters, so the same stochastic draws)."""
+    x = _x(shape, dtype, seed=16)
+    outs = []
+    for rows_kernel in (True, False):
+        monkeypatch.setattr(kernels, "ROWS_KERNEL", rows_kernel)
+        g = torch.Generator().manual_seed(3)
+        q2 = quantize(x, block="2d")
+        outs.append((kernels.quantize_fast(x), kernels.quantize_fast(x, rounding="stochastic", generator=g),
+                     kernels.block_values_bf16(q2), kernels.block_values_bf16(quantize(x))))
+    (rne, sr, bv2, bv1), (rne_t, sr_t, bv2_t, bv1_t) = outs
+    _same(rne, quantize(x))
+    _same(rne, rne_t)
+    _same(sr, sr_t)
+    assert torch.equal(bv2, bv2_t) and torch.equal(bv1, bv1_t)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_matmul_fast_epilogue_bias_and_cast(out_dtype):
     a = quantize(_x((48, 64), torch.bfloat16, seed=8))

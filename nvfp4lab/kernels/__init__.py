@@ -71,6 +71,9 @@ CONFIG: dict[str, dict[str, int]] = {
     "both": dict(BM=64, BK=128, num_warps=8),
     "2d": dict(BM=64, BK=128, num_warps=8),
     "dequant": dict(BM=32, BK=256, num_warps=8),
+    # one-block-per-thread kernels (rowwise 1x16, K % 16 == 0): BM rows x NB blocks per program
+    "rows": dict(BM=16, NB=16, num_warps=4),
+    "values": dict(BM=16, NB=16, num_warps=4),
     # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
     # 16 rows x BK columns per program
     "slices_col": dict(G=4, BK=128, num_warps=4),
@@ -86,6 +89,10 @@ SLICES = True
 #: default: the kernels are instruction-bound, and on an H200 the fused kernel's register
 #: pressure made it slower than the two kernels together: 222 vs 86 + 110 us at 8192^2 bf16).
 FUSE_ROW_COL = False
+#: Rowwise 1x16 quantization (no RHT, K % 16 == 0, unit column stride) and BF16 block values by
+#: the one-block-per-thread kernels (quantize_rows_kernel, block_values_rows_kernel); False: the
+#: tile kernels (quantize_kernel, dequantize_kernel). Identical outputs.
+ROWS_KERNEL = True
 #: Run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs).
 #: False: float32 butterfly (faster; see triton_kernels' docstring for what differs).
 RHT_F64 = True
@@ -269,6 +276,14 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     reverse = need_row_amax or need_col_amax
 
     def launch(row_: bool, col_: bool) -> None:
+        if ROWS_KERNEL and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
+            cfg = CONFIG["rows"]
+            BM, NB = cfg["BM"], cfg["NB"]
+            k.quantize_rows_kernel[(_cdiv(M, BM) * _cdiv(K // 16, NB),)](
+                x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s, Kh // 4, K16, _INV6,
+                SR=sr, BM=BM, NB=NB, REVERSE=reverse, EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64,
+                num_warps=cfg["num_warps"], **_launch_opts())
+            return
         use_slices = SLICES and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
         if use_slices:
             cfg = CONFIG["slices2d" if block2d else ("slices_both" if row_ else "slices_col")]
@@ -445,6 +460,16 @@ def _decode(t: NVFP4Tensor, global_scale: bool, undo_rht: bool) -> torch.Tensor 
             return None
     k = _kernels()
     out = torch.empty(M, K, dtype=torch.bfloat16, device=t.device)
+    data = t.data
+    if (ROWS_KERNEL and not global_scale and not undo_rht and K % 16 == 0 and data.is_contiguous()
+            and data.data_ptr() % 16 == 0):
+        cfg = CONFIG["values"]
+        BM, NB = cfg["BM"], cfg["NB"]
+        k.block_values_rows_kernel[(_cdiv(M, BM), _cdiv(K // 16, NB))](
+            data.view(torch.int32), t.scale.view(torch.uint8), out.view(torch.int16), M, K,
+            K // 8, t.scale.stride(0), out.stride(0), BLOCK2D=t.block == "2d", BM=BM, NB=NB,
+            num_warps=cfg["num_warps"], **_launch_opts())
+        return out
     cfg = CONFIG["dequant"]
     BM, BK = cfg["BM"], cfg["BK"]
     grid = (_cdiv(M, BM), _cdiv(K, BK))

@@ -207,10 +207,10 @@ def _e2m1_sr(y, u):
 
 
 @triton.jit
-def _uniform16(seed, counter):
+def _uniform8(seed, counter):
     """8 uniform (0,1) floats per counter from one Philox4x32 draw (PHILOX_ROUNDS): 16 bits each.
 
-    ``counter`` [R, C8] int64 -> [R, C8 * 8] float32, value (k + 0.5) * 2^-16, k in 0..65535.
+    ``counter`` [R, C8] int64 -> [R, C8, 8] float32, value (k + 0.5) * 2^-16, k in 0..65535.
     The 16-bit resolution biases each rounding probability by at most 2^-17.
     """
     r0, r1, r2, r3 = tl.randint4x(seed, counter, PHILOX_ROUNDS)
@@ -220,8 +220,16 @@ def _uniform16(seed, counter):
     f = tl.join(((j << 7) & 0x7FFF80) | 0x3F800040, ((j >> 9) & 0x7FFF80) | 0x3F800040)
     R: tl.constexpr = counter.shape[0]
     C8: tl.constexpr = counter.shape[1]
-    f = tl.reshape(f, (R, C8 * 8))
+    f = tl.reshape(f, (R, C8, 8))
     return f.to(tl.float32, bitcast=True) - 1.0
+
+
+@triton.jit
+def _uniform16(seed, counter):
+    """:func:`_uniform8` flattened: ``counter`` [R, C8] -> [R, C8 * 8] (element j of a row uses counter j // 8)."""
+    R: tl.constexpr = counter.shape[0]
+    C8: tl.constexpr = counter.shape[1]
+    return tl.reshape(_uniform8(seed, counter), (R, C8 * 8))
 
 
 @triton.jit
@@ -681,3 +689,107 @@ def gemm_epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, 
         tl.store(optrs, (_round_bf16(t).to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=mask)
     else:
         tl.store(optrs, t, mask=mask)
+
+
+# ----------------------------------------------------------------------------- one block per thread
+@triton.jit
+def _e2m1_decode_bits(c):
+    """E2M1 codes (int32 0..15) -> their values as float32 bits. Magnitude m = c & 7: m >= 2 is
+    2^(m//2 - 1)·(1 + (m & 1)/2), whose bits are exactly (m + 252) << 22; m = 1 is 0.5 and m = 0 is
+    0 (m · 0x3F000000); the sign is bit 3 moved to bit 31."""
+    m = c & 7
+    mag = tl.where(m < 2, m * 0x3F000000, (m + 252) << 22)
+    return mag | ((c & 8) << 28)
+
+
+@triton.jit
+def _pack8(codes):
+    """int32 codes [R, B, 8] (0..15) -> one int32 word [R, B]: code i in bits 4i..4i+3 (byte order of
+    the packed format: even element in the low nibble)."""
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    return tl.sum(codes << shifts, axis=2)
+
+
+@triton.jit
+def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, d32_rs, s_rs, inv6,
+                         SR: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, REVERSE: tl.constexpr,
+                         EVEN: tl.constexpr, I64: tl.constexpr):
+    """Rowwise 1x16 quantization of x [M, K] (K % 16 == 0, unit column stride), one block per thread.
+
+    Each program takes BM rows x NB blocks; the two 8-element halves of every block are loaded as
+    two [BM, NB, 8] tensors of the same layout, so a thread holds its whole block: the block amax,
+    the E4M3 scale and its reciprocal are computed once per block with no shuffle, and the 16
+    codes pack into two int32 words stored as one 8-byte vector to ``d32`` (the packed codes viewed
+    as int32 [M, K/8]). Same numerics as :func:`quantize_kernel` (ROW, no RHT); SR uses the same
+    Philox counters (row * 2*K16 + element // 8), so it draws the same stream.
+    """
+    K16 = K // 16
+    pm, pb = _tile_index(M, K16, BM, NB, REVERSE)
+    rows = pm * BM + tl.arange(0, BM)
+    blks = pb * NB + tl.arange(0, NB)
+    if I64:
+        rows = rows.to(tl.int64)
+        blks = blks.to(tl.int64)
+    e8 = tl.arange(0, 8)
+    ptrs = x_ptr + rows[:, None, None] * sxm + (blks * 16)[None, :, None] + e8[None, None, :]
+    if EVEN:
+        lo = tl.load(ptrs).to(tl.float32)
+        hi = tl.load(ptrs + 8).to(tl.float32)
+    else:
+        m3 = (rows[:, None, None] < M) & (blks[None, :, None] < K16)
+        lo = tl.load(ptrs, mask=m3, other=0.0).to(tl.float32)
+        hi = tl.load(ptrs + 8, mask=m3, other=0.0).to(tl.float32)
+    s_enc, s_dec, mult = _global_scales(tl.load(amax_ptr), inv6)
+    bamax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
+    sfv, sfc = _e4m3_rne(sf)
+    enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)[:, :, None]
+    ylo = tl.minimum(tl.maximum(lo * enc, -6.0), 6.0)
+    yhi = tl.minimum(tl.maximum(hi * enc, -6.0), 6.0)
+    if SR:
+        seed = tl.load(seed_ptr)
+        cnt = rows[:, None] * (K16 * 2) + (blks * 2)[None, :]
+        clo = _e2m1_sr_bits(ylo, _uniform8(seed, cnt))
+        chi = _e2m1_sr_bits(yhi, _uniform8(seed, cnt + 1))
+    else:
+        clo = _e2m1_rne_bits(ylo)
+        chi = _e2m1_rne_bits(yhi)
+    words = tl.join(_pack8(clo), _pack8(chi))  # [BM, NB, 2]: the block's 8 bytes
+    wptrs = d32_ptr + rows[:, None, None] * d32_rs + (blks * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
+    sptrs = s_ptr + rows[:, None] * s_rs + blks[None, :]
+    if EVEN:
+        tl.store(wptrs, words)
+        tl.store(sptrs, sfc.to(tl.uint8))
+    else:
+        tl.store(wptrs, words, mask=(rows[:, None, None] < M) & (blks[None, :, None] < K16))
+        tl.store(sptrs, sfc.to(tl.uint8), mask=(rows[:, None] < M) & (blks[None, :] < K16))
+
+
+@triton.jit
+def block_values_rows_kernel(d32_ptr, s_ptr, out_ptr, M, K, d32_rs, s_rs, o_rs,
+                             BLOCK2D: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr):
+    """``code × E4M3 block scale`` as BF16 [M, K] (K % 16 == 0), one block per thread: the block's
+    two int32 words and its scale byte in, 16 exact BF16 values (two 16-byte vectors) out.
+    Same values as :func:`dequantize_kernel` with GLOBAL=False."""
+    K16 = K // 16
+    pm = tl.program_id(0)
+    pb = tl.program_id(1)
+    rows = (pm * BM + tl.arange(0, BM)).to(tl.int64)
+    blks = pb * NB + tl.arange(0, NB)
+    m2 = (rows[:, None] < M) & (blks[None, :] < K16)
+    wbase = d32_ptr + rows[:, None] * d32_rs + (blks * 2)[None, :]
+    w_lo = tl.load(wbase, mask=m2, other=0)
+    w_hi = tl.load(wbase + 1, mask=m2, other=0)
+    if BLOCK2D:
+        srows = rows // 16
+    else:
+        srows = rows
+    sf = _e4m3_decode(tl.load(s_ptr + srows[:, None] * s_rs + blks[None, :], mask=m2, other=0).to(tl.int32))
+    shifts = (tl.arange(0, 8) * 4)[None, None, :]
+    obase = out_ptr + rows[:, None, None] * o_rs + (blks * 16)[None, :, None] + tl.arange(0, 8)[None, None, :]
+    m3 = (rows[:, None, None] < M) & (blks[None, :, None] < K16)
+    for half in tl.static_range(2):
+        w = w_lo if half == 0 else w_hi
+        c = (w[:, :, None] >> shifts) & 15
+        v = _e2m1_decode_bits(c).to(tl.float32, bitcast=True) * sf[:, :, None]  # exact: 2 x 4 significant bits
+        tl.store(obase + half * 8, (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int16), mask=m3)
