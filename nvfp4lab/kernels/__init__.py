@@ -72,8 +72,8 @@ CONFIG: dict[str, dict[str, int]] = {
     "2d": dict(BM=64, BK=128, num_warps=8),
     "dequant": dict(BM=32, BK=256, num_warps=8),
     # one-block-per-thread kernels (rowwise 1x16, K % 16 == 0): BM rows x NB blocks per program
-    "rows": dict(BM=16, NB=16, num_warps=4),
-    "values": dict(BM=16, NB=16, num_warps=4),
+    "rows": dict(BM=8, NB=32, num_warps=4),
+    "values": dict(BM=4, NB=32, num_warps=4),
     # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
     # 16 rows x BK columns per program
     "slices_col": dict(G=4, BK=128, num_warps=4),
