@@ -127,7 +127,8 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
                    help="steps between checkpoints (default: eval interval; 0: only at the end)")
     b.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
                    help="on a NaN/Inf loss or gradient: stop (default) or skip the step")
-    b.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    b.add_argument("--device", default="auto",
+                   help="torch device: cpu, cuda, cuda:1, ... (default auto: cuda when a GPU is visible, else cpu)")
     b.add_argument("--threads", type=_positive_int, help="torch CPU threads")
     prog = b.add_mutually_exclusive_group()
     prog.add_argument("--progress", dest="progress", action="store_true", default=None,
@@ -135,6 +136,14 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     prog.add_argument("--no-progress", dest="progress", action="store_false",
                       help="never show the progress bar (default: only on a terminal)")
     b.add_argument("--no-plot", dest="plot", action="store_false", help="skip the loss-curve PNG")
+
+
+def _resolve_device(name: str) -> str:
+    if name != "auto":
+        return name
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def config_from_args(args: argparse.Namespace, precision: str | None = None):
@@ -159,7 +168,7 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         recipe=recipe, cooldown_frac=args.cooldown_frac, eval_interval=args.eval_interval,
         eval_batches=args.eval_batches, log_interval=args.log_interval,
         checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
-        device=args.device, threads=args.threads, progress=args.progress, plot=args.plot,
+        device=_resolve_device(args.device), threads=args.threads, progress=args.progress, plot=args.plot,
         out=getattr(args, "out", None), resume=getattr(args, "resume", None),
         name=getattr(args, "name", None),
     )
