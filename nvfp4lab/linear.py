@@ -104,12 +104,12 @@ class NVFP4GemmQuantizer:
         return quantize(x, **options)
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
-                      generator: torch.Generator | None = None):
+                      generator: torch.Generator | None = None, values: tuple[bool, bool] = (False, False)):
         if not x.is_cuda:
             return None
         from . import kernels
 
-        return kernels.quantize_pair_fast(x, row, col, generator=generator)
+        return kernels.quantize_pair_fast(x, row, col, generator=generator, values=values)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -221,10 +221,12 @@ def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role
 
 
 def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, str],
-                   col: tuple[str, str, str] | None):
+                   col: tuple[str, str, str] | None, values: tuple[bool, bool]):
     """Both copies of ``x2d`` from the quantizer's ``quantize_pair`` (None if it has none or declines).
 
-    ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies.
+    ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies. ``values``: ask
+    for the BF16 block values of the (rowwise, columnwise) copy along with it: for the copies a GEMM
+    uses at once, not for those saved for the backward pass (which stay packed, 4.5 bits a value).
     """
     pair_fn = getattr(state.quantizer, "quantize_pair", None)
     if pair_fn is None:
@@ -236,7 +238,7 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
         gen = state.sr_generator(x2d.device)
         if _OBSERVERS:
             rng_state = gen.get_state()
-    pair = pair_fn(x2d, row_opts, col_opts, generator=gen)
+    pair = pair_fn(x2d, row_opts, col_opts, generator=gen, values=values)
     if pair is None:
         return None
     if _OBSERVERS:
@@ -290,10 +292,12 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         need_dgrad = grad_enabled and ctx.needs_input_grad[0]
         need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         with torch.autocast(device_type=x.device.type, enabled=False):
+            # values for the Fprop operands only: the columnwise copies wait for the backward packed
             px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
-                                ("wgrad", "xt", "input_columnwise") if need_wgrad else None)
+                                ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False))
             pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
-                                ("dgrad", "wt", "weight_columnwise") if need_dgrad else None) if px else None
+                                ("dgrad", "wt", "weight_columnwise") if need_dgrad else None,
+                                (True, False)) if px else None
             ctx.fast = px is not None and pw is not None
             if ctx.fast:
                 (qx, ctx.qxt), (qw, ctx.qwt) = px, pw
@@ -339,7 +343,8 @@ class _NVFP4LinearFunction(torch.autograd.Function):
             pdy = None
             if ctx.fast and (need_dgrad or need_wgrad):
                 pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
-                                     ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None)
+                                     ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None,
+                                     (True, True))
             if pdy is not None:
                 qdy, qdyt = pdy
             else:

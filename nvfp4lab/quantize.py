@@ -159,6 +159,10 @@ class NVFP4Tensor:
             quantizing; :meth:`dequantize` undoes it unless told not to.
         rht_signs: the 16 signs of that transform (``None`` for the plain matrix).
         rounding: ``"nearest"`` or ``"stochastic"``.
+        values_bf16: optional ``bfloat16 [M, K]`` cache of the block values ``code × block
+            scale`` (:meth:`block_values`, exact in BF16), written by the Triton kernels for
+            the emulated GEMM when asked (:func:`nvfp4lab.kernels.fused_quantize_rowwise_columnwise`);
+            ``None`` otherwise. Not part of the format: it only saves a decode pass.
     """
 
     data: torch.Tensor
@@ -170,6 +174,7 @@ class NVFP4Tensor:
     rht: bool = False
     rht_signs: torch.Tensor | None = None
     rounding: str = "nearest"
+    values_bf16: torch.Tensor | None = dataclasses.field(default=None, repr=False)
 
     # ---- geometry -------------------------------------------------------
     @property

@@ -258,6 +258,26 @@ def test_one_block_per_thread_kernels_equal_tile_kernels(monkeypatch, shape, dty
     assert torch.equal(bv2, bv2_t) and torch.equal(bv1, bv1_t)
 
 
+@pytest.mark.parametrize("shape", [(64, 64), (32, 48), (48, 256)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kw", [dict(), dict(rht=True), dict(block="2d"), dict(rht=True, rounding="stochastic")],
+                         ids=["1d", "1d-rht", "2d", "1d-rht-sr"])
+def test_kernels_write_block_values_with_the_codes(shape, dtype, kw):
+    """values=(True, True): both copies carry BF16 block values equal to block_values() of their own
+    codes, block_values_bf16 returns that cache, and the codes are those written without it."""
+    x = _x(shape, dtype, seed=17)
+    row, col = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, values=(True, True), **kw)
+    for q in (row, col):
+        assert q.values_bf16 is not None and q.values_bf16.dtype == torch.bfloat16
+        assert torch.equal(q.values_bf16, q.block_values(torch.bfloat16))
+        assert kernels.block_values_bf16(q) is q.values_bf16
+    if kw.get("rounding") != "stochastic":
+        row0, col0 = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, **kw)
+        _same(row, row0)
+        _same(col, col0)
+        assert row0.values_bf16 is None and col0.values_bf16 is None
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_matmul_fast_epilogue_bias_and_cast(out_dtype):
     a = quantize(_x((48, 64), torch.bfloat16, seed=8))

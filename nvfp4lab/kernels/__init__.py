@@ -223,8 +223,12 @@ def _check_common(x, block, rounding) -> bool:
 
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
-         sr: bool, mask: int, generator, amax_row, amax_col):
-    """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs."""
+         sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False)):
+    """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
+
+    ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
+    kernel that runs can (the one-block-per-thread rowwise kernel, the 16-slice kernel); the
+    last two results are those tensors or ``None``."""
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
@@ -272,6 +276,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col else None
     seeds = _seeds(generator, dev) if sr else buf  # buf: a dummy pointer when not SR
     dummy = buf
+    out_v: list = [None, None]
     even = lambda BM, BK: M % BM == 0 and K % BK == 0  # noqa: E731
     reverse = need_row_amax or need_col_amax
 
@@ -279,23 +284,32 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         if ROWS_KERNEL and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
             cfg = CONFIG["rows"]
             BM, NB = cfg["BM"], cfg["NB"]
+            v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
             k.quantize_rows_kernel[(_cdiv(M, BM) * _cdiv(K // 16, NB),)](
-                x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s, Kh // 4, K16, _INV6,
-                SR=sr, BM=BM, NB=NB, REVERSE=reverse, EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64,
-                num_warps=cfg["num_warps"], **_launch_opts())
+                x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s,
+                dummy if v is None else v.view(torch.int16), Kh // 4, K16, K, _INV6,
+                SR=sr, VALUES=v is not None, BM=BM, NB=NB, REVERSE=reverse,
+                EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+            out_v[0] = v
             return
         use_slices = SLICES and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
         if use_slices:
             cfg = CONFIG["slices2d" if block2d else ("slices_both" if row_ else "slices_col")]
             G, BK = cfg["G"], cfg["BK"]
+            v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] and row_ and block2d else None
+            vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
             k.quantize_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
                 d if row_ else dummy, s if row_ else dummy, dt.view(torch.int32), st,
-                Kh, K16, Mh // 4, M16, _INV6,
+                dummy if v is None else v.view(torch.int16), dummy if vt is None else vt.view(torch.int16),
+                Kh, K16, Mh // 4, M16, K, M, _INV6, VALUES_ROW=v is not None, VALUES_COL=vt is not None,
                 ROW=row_, COL=col_, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 REVERSE=reverse, E2M1_BITS=bool(E2M1_BITS),
                 EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+            if v is not None:
+                out_v[0] = v
+            out_v[1] = vt
         else:
             cfg = CONFIG["2d" if block2d else ("both" if row_ and col_ else ("row" if row_ else "col"))]
             BM, BK = cfg["BM"], cfg["BK"]
@@ -315,7 +329,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         launch(row, col)
     f8 = torch.float8_e4m3fn
     return (d, None if s is None else s.view(f8), a_row.reshape(()),
-            dt, None if st is None else st.view(f8), a_col.reshape(()))
+            dt, None if st is None else st.view(f8), a_col.reshape(()), out_v[0], out_v[1])
 
 
 # ----------------------------------------------------------------------------- public API
@@ -370,11 +384,11 @@ def quantize_fast(
     if transposed:
         # x2 = y.t() with y [K, M] contiguous: quantize x2 along K == columnwise of y along its rows
         y = x2.t()
-        _, _, _, data, scale, amax_t = _run(
+        _, _, _, data, scale, amax_t, _, _ = _run(
             y, row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=mask,
             generator=generator, amax_row=a if block2d else None, amax_col=a)
     else:
-        data, scale, amax_t, _, _, _ = _run(
+        data, scale, amax_t, _, _, _, _, _ = _run(
             x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=mask,
             generator=generator, amax_row=a, amax_col=None)
     return NVFP4Tensor(data=data, scale=scale, amax=amax_t, shape=x.shape, block=block, dtype=x.dtype,
@@ -392,6 +406,7 @@ def fused_quantize_rowwise_columnwise(
     amax_t: torch.Tensor | float | None = None,
     rht_signs: torch.Tensor | None = WGRAD_SIGNS,
     fallback: bool = True,
+    values: tuple[bool, bool] = (False, False),
 ) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
     """Both NVFP4 copies a training step needs, from one read of ``x`` per pass.
 
@@ -410,6 +425,10 @@ def fused_quantize_rowwise_columnwise(
         amax, amax_t: optional precomputed amaxes of the rowwise and columnwise copies.
         fallback: when the fast path does not apply, compute the pair with the reference
             :func:`~nvfp4lab.quantize.quantize` (default) instead of returning ``None``.
+        values: (rowwise, columnwise): also write that copy's BF16 block values
+            (``NVFP4Tensor.values_bf16``, which :func:`block_values_bf16` then returns) from the
+            same kernel, where the kernel that runs can (rowwise: 1x16 with K % 16 == 0, or 2D;
+            columnwise: M % 16 == 0); otherwise the field stays ``None``.
     """
     ok = _check_common(x, block, rounding) and x.dim() >= 2
     M_all = math.prod(x.shape[:-1]) if x.dim() else 0
@@ -437,13 +456,15 @@ def fused_quantize_rowwise_columnwise(
         x2 = x2.contiguous()  # a transposed view: one copy, then the row-major fused kernel
     M, K = x2.shape
     block2d = block == "2d"
-    d, s, am, dt, st, amt = _run(
+    d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d,
-        sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at)
+        sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at,
+        values=(bool(values[0]), bool(values[1])))
     row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
-                      rht=False, rht_signs=None, rounding=rounding)
+                      rht=False, rht_signs=None, rounding=rounding, values_bf16=v)
     col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,
-                      rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding)
+                      rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding,
+                      values_bf16=vt)
     return row, col
 
 
@@ -487,6 +508,8 @@ def block_values_bf16(t: NVFP4Tensor) -> torch.Tensor:
     The operand an NVFP4 tensor core multiplies; the per-tensor factor is applied after the
     GEMM (see :func:`nvfp4_matmul_fast`). Falls back to the reference off the fast path.
     """
+    if isinstance(t, NVFP4Tensor) and t.values_bf16 is not None:
+        return t.values_bf16
     out = _decode(t, global_scale=False, undo_rht=False)
     return out if out is not None else t.block_values(torch.bfloat16)
 
@@ -563,7 +586,8 @@ def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = t
 
 
 def quantize_pair_fast(x: torch.Tensor, row: dict[str, Any] | None, col: dict[str, Any] | None = None, *,
-                       generator: torch.Generator | None = None) -> tuple[Any, Any] | None:
+                       generator: torch.Generator | None = None,
+                       values: tuple[bool, bool] = (False, False)) -> tuple[Any, Any] | None:
     """The rowwise and columnwise NVFP4 copies of ``x`` [M, K] for one training step, or ``None``.
 
     ``row``, ``col``: :meth:`nvfp4lab.recipe.NVFP4Recipe.quantize_options` of the two roles
@@ -574,7 +598,8 @@ def quantize_pair_fast(x: torch.Tensor, row: dict[str, Any] | None, col: dict[st
     share ``block`` and ``rounding``, and only the columnwise copy may use the RHT), an RHT with
     ``M % 16 != 0``, or the device (see :func:`available`). No NaN scan and so no host
     synchronisation: a NaN in ``x`` makes the amaxes NaN, which makes every GEMM output using
-    these operands NaN (:func:`nvfp4_matmul_fast`'s per-tensor factor).
+    these operands NaN (:func:`nvfp4_matmul_fast`'s per-tensor factor). ``values``: see
+    :func:`fused_quantize_rowwise_columnwise` (applies to the pair only).
     """
     if row is None or row.get("rht", False):
         return None
@@ -587,7 +612,7 @@ def quantize_pair_fast(x: torch.Tensor, row: dict[str, Any] | None, col: dict[st
         return None
     return fused_quantize_rowwise_columnwise(
         x, block=block, rht=bool(col.get("rht", False)), rounding=rounding, generator=generator,
-        rht_signs=col.get("rht_signs", WGRAD_SIGNS), fallback=False)
+        rht_signs=col.get("rht_signs", WGRAD_SIGNS), fallback=False, values=values)
 
 
 class TritonGemmQuantizer:
@@ -608,8 +633,8 @@ class TritonGemmQuantizer:
         return q if q is not None else quantize(x, **options)
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
-                      generator: torch.Generator | None = None):
-        return quantize_pair_fast(x, row, col, generator=generator)
+                      generator: torch.Generator | None = None, values: tuple[bool, bool] = (False, False)):
+        return quantize_pair_fast(x, row, col, generator=generator, values=values)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -478,8 +478,9 @@ def _uniform_from_bits(r):
 
 @triton.jit
 def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
-                           d_ptr, s_ptr, dt32_ptr, st_ptr,
-                           d_rs, s_rs, dt32_rs, st_rs, inv6,
+                           d_ptr, s_ptr, dt32_ptr, st_ptr, v_ptr, vt_ptr,
+                           d_rs, s_rs, dt32_rs, st_rs, v_rs, vt_rs, inv6,
+                           VALUES_ROW: tl.constexpr, VALUES_COL: tl.constexpr,
                            ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
                            BLOCK2D: tl.constexpr, SR: tl.constexpr, SIGN_MASK: tl.constexpr,
                            RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -493,6 +494,9 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     element-wise operations between slices (no transpose or shuffle), and the 16 codes of a
     columnwise block pack into two int32 words stored to ``dt`` viewed as int32 [K, M/8].
     Rowwise blocks are encoded per slice along K. Same numerics as :func:`quantize_kernel`.
+    VALUES_ROW (2D only) / VALUES_COL also write the BF16 block values of the rowwise copy to
+    ``v`` [M, K] and of the columnwise copy to ``vt`` [K, M] (int16 bits; the 16 values of a
+    columnwise block are one thread's, stored as one 32-byte row segment).
     """
     BM: tl.constexpr = 16 * G
     pm, pk = _tile_index(M, K, BM, BK, REVERSE)
@@ -539,6 +543,13 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                 for i in tl.static_range(16):
                     _store(d_ptr + (g + i)[:, None] * d_rs + hcols[None, :], _pack(rcodes[i], G, BK),
                            ((g + i)[:, None] < M) & (hcols[None, :] < (K + 1) // 2), EVEN)
+            if VALUES_ROW or VALUES_COL:
+                sfv_b = tl.reshape(tl.broadcast_to(sfv[:, :, None], (G, BK // 16, 16)), (G, BK))
+                rvals = [_values_bits(rcodes[i], sfv_b) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+                if VALUES_ROW:
+                    for i in tl.static_range(16):
+                        _store(v_ptr + (g + i)[:, None] * v_rs + cols[None, :], rvals[i],
+                               ((g + i)[:, None] < M) & (cols[None, :] < K), EVEN)
         else:
             for i in tl.static_range(16):
                 u = 0.0
@@ -599,6 +610,18 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         else:
             ccodes = [_e2m1_rne_bits(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0))
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        if VALUES_COL:
+            cvals = [_values_bits(ccodes[i], sfv) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    if COL and VALUES_COL:
+        if BLOCK2D:
+            cvals = rvals
+        # one [G, BK, 16] tensor: element (g, k, i) = value of xᵀ[k, 16g + i]
+        p = [tl.join(cvals[2 * j], cvals[2 * j + 1]) for j in (0, 1, 2, 3, 4, 5, 6, 7)]
+        q = [tl.join(p[2 * j], p[2 * j + 1]) for j in (0, 1, 2, 3)]
+        r = [tl.join(q[2 * j], q[2 * j + 1]) for j in (0, 1)]
+        vblk = tl.reshape(tl.permute(tl.join(r[0], r[1]), (0, 1, 5, 4, 3, 2)), (G, BK, 16))
+        vptrs = vt_ptr + cols[None, :, None] * vt_rs + (gi * 16)[:, None, None] + tl.arange(0, 16)[None, None, :]
+        _store(vptrs, vblk, wmask[:, :, None], EVEN)
     if COL:
         w0 = ccodes[0]
         w1 = ccodes[8]
@@ -703,6 +726,14 @@ def _e2m1_decode_bits(c):
 
 
 @triton.jit
+def _values_bits(codes, sfv):
+    """E2M1 codes and their (broadcast) E4M3 scale values, same shape -> BF16 block values as
+    int16 bits (``code × scale`` is exact in BF16, so the top 16 bits of the FP32 product)."""
+    v = _e2m1_decode_bits(codes).to(tl.float32, bitcast=True) * sfv
+    return (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int16)
+
+
+@triton.jit
 def _pack8(codes):
     """int32 codes [R, B, 8] (0..15) -> one int32 word [R, B]: code i in bits 4i..4i+3 (byte order of
     the packed format: even element in the low nibble)."""
@@ -711,9 +742,9 @@ def _pack8(codes):
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, d32_rs, s_rs, inv6,
-                         SR: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr, REVERSE: tl.constexpr,
-                         EVEN: tl.constexpr, I64: tl.constexpr):
+def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v_ptr, d32_rs, s_rs, v_rs, inv6,
+                         SR: tl.constexpr, VALUES: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
+                         REVERSE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
     """Rowwise 1x16 quantization of x [M, K] (K % 16 == 0, unit column stride), one block per thread.
 
     Each program takes BM rows x NB blocks; the two 8-element halves of every block are loaded as
@@ -721,7 +752,9 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, d
     the E4M3 scale and its reciprocal are computed once per block with no shuffle, and the 16
     codes pack into two int32 words stored as one 8-byte vector to ``d32`` (the packed codes viewed
     as int32 [M, K/8]). Same numerics as :func:`quantize_kernel` (ROW, no RHT); SR uses the same
-    Philox counters (row * 2*K16 + element // 8), so it draws the same stream.
+    Philox counters (row * 2*K16 + element // 8), so it draws the same stream. With VALUES it also
+    writes the BF16 block values ``code × scale`` (exact) to ``v`` [M, K] (int16 bits), the operand
+    the emulated GEMM multiplies, saving a separate decode pass.
     """
     K16 = K // 16
     pm, pb = _tile_index(M, K16, BM, NB, REVERSE)
@@ -754,6 +787,16 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, d
     else:
         clo = _e2m1_rne_bits(ylo)
         chi = _e2m1_rne_bits(yhi)
+    if VALUES:
+        vptrs = v_ptr + rows[:, None, None] * v_rs + (blks * 16)[None, :, None] + e8[None, None, :]
+        for half in tl.static_range(2):
+            c = clo if half == 0 else chi
+            v = _e2m1_decode_bits(c).to(tl.float32, bitcast=True) * sfv[:, :, None]  # exact in BF16
+            vb = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int16)
+            if EVEN:
+                tl.store(vptrs + half * 8, vb)
+            else:
+                tl.store(vptrs + half * 8, vb, mask=(rows[:, None, None] < M) & (blks[None, :, None] < K16))
     words = tl.join(_pack8(clo), _pack8(chi))  # [BM, NB, 2]: the block's 8 bytes
     wptrs = d32_ptr + rows[:, None, None] * d32_rs + (blks * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
     sptrs = s_ptr + rows[:, None] * s_rs + blks[None, :]

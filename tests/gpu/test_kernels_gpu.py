@@ -149,6 +149,19 @@ def test_gemm_quantizer_in_nvfp4linear():
     assert torch.isfinite(full.weight.grad).all()
 
 
+@pytest.mark.parametrize("shape", [(256, 1024), (2048, 2048), (8192, 4096), (304, 304)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kw", [dict(), dict(rht=True), dict(block="2d"), dict(rht=True, rounding="stochastic")],
+                         ids=["1d", "1d-rht", "2d", "1d-rht-sr"])
+def test_block_values_written_with_the_codes(shape, dtype, kw):
+    x = _x(shape, dtype, seed=12)
+    row, col = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, values=(True, True), **kw)
+    for q in (row, col):
+        assert q.values_bf16 is not None
+        with kernels.disabled():
+            assert torch.equal(q.values_bf16, q.block_values(torch.bfloat16))
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gemm_epilogue_bit_exact(out_dtype):
     """alpha, bias and the cast in one kernel == the reference's FP32 torch ops on the same acc."""
