@@ -271,6 +271,10 @@ def test_kernels_write_block_values_with_the_codes(shape, dtype, kw):
         assert q.values_bf16 is not None and q.values_bf16.dtype == torch.bfloat16
         assert torch.equal(q.values_bf16, q.block_values(torch.bfloat16))
         assert kernels.block_values_bf16(q) is q.values_bf16
+    if kw.get("block") == "2d":  # rowwise values only: the columnwise copy gets their transpose
+        row1, col1 = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, values=(True, False), **kw)
+        assert torch.equal(col1.values_bf16, col1.block_values(torch.bfloat16))
+        assert col1.values_bf16.data_ptr() == row1.values_bf16.data_ptr()
     if kw.get("rounding") != "stochastic":
         row0, col0 = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, **kw)
         _same(row, row0)

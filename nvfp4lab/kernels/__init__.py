@@ -428,7 +428,8 @@ def fused_quantize_rowwise_columnwise(
         values: (rowwise, columnwise): also write that copy's BF16 block values
             (``NVFP4Tensor.values_bf16``, which :func:`block_values_bf16` then returns) from the
             same kernel, where the kernel that runs can (rowwise: 1x16 with K % 16 == 0, or 2D;
-            columnwise: M % 16 == 0); otherwise the field stays ``None``.
+            columnwise: M % 16 == 0); otherwise the field stays ``None``. With ``block="2d"``
+            the rowwise values serve the columnwise copy too, as a transposed view.
     """
     ok = _check_common(x, block, rounding) and x.dim() >= 2
     M_all = math.prod(x.shape[:-1]) if x.dim() else 0
@@ -460,6 +461,8 @@ def fused_quantize_rowwise_columnwise(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d,
         sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at,
         values=(bool(values[0]), bool(values[1])))
+    if block2d and vt is None and v is not None:
+        vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
                       rht=False, rht_signs=None, rounding=rounding, values_bf16=v)
     col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,
