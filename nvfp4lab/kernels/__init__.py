@@ -9,20 +9,24 @@ does not apply so the caller can fall back to the reference:
 * :func:`quantize_fast` — the drop-in for :func:`~nvfp4lab.quantize.quantize`: a global amax
   reduction kernel (the global scale needs the whole-tensor amax; skipped when ``amax`` is
   given), then one quantize kernel (1×16 or 16×16 blocks, optional RHT butterfly, RNE or SR).
-* :func:`fused_quantize_rowwise_columnwise` — rowwise ``quantize(x)`` and columnwise
-  ``quantize(x.t(), rht=...)`` from one read of ``x`` per pass (training needs both copies).
+* :func:`fused_quantize_rowwise_columnwise`, :func:`quantize_pair_fast` — the rowwise
+  ``quantize(x)`` and the columnwise ``quantize(x.t(), rht=...)`` a training step needs, from
+  one amax pass and one read of ``x`` per copy, optionally with their BF16 block values.
 * :func:`block_values_bf16`, :func:`dequantize_to_bf16` — decode to BF16.
-* :func:`nvfp4_matmul_fast` — BF16 dequantize + cuBLAS BF16 GEMM (FP32 accumulate and output)
-  + the per-tensor factor in FP32: :func:`~nvfp4lab.quantize.nvfp4_matmul` up to FP32
-  accumulation order.
+* :func:`nvfp4_matmul_fast` — BF16 block values, a cuBLAS BF16 GEMM with FP32 accumulation,
+  and one epilogue kernel for the per-tensor factor, the bias and the output cast:
+  :func:`~nvfp4lab.quantize.nvfp4_matmul` up to FP32 accumulation order.
 * :class:`TritonGemmQuantizer` — the :class:`nvfp4lab.linear.GemmQuantizer` plug for
-  ``NVFP4Linear(quantizer=...)``.
+  ``NVFP4Linear(quantizer=...)`` (the default quantizer takes the same kernels on CUDA).
 
-Performance (H200, 8192² bf16, ``results/bench_nvidia_h200.json``): a rowwise 1×16 quantize
-is ~86 µs with the amax given and ~150 µs with the amax pass (copy of the same bytes: ~43 µs);
-the kernels are instruction-bound (~30 SASS instructions per element for the E2M1/E4M3
-arithmetic), not memory-bound, and each call costs ~100 µs of Python and launch overhead, which
-dominates at 4096² and below: capture training steps in CUDA graphs to hide it.
+Kernel families (``triton_kernels.py``): a tile kernel for any layout; a one-block-per-thread
+kernel for rowwise 1×16 blocks (each thread holds its 16 elements, so block amax, scale and
+packing need no shuffle); a 16-slice kernel for columnwise blocks and 16×16 tiles (a columnwise
+block is the same column of 16 row slices, so the RHT butterfly is element-wise between slices).
+Performance is recorded in ``results/bench_nvidia_h200.json`` (``nvfp4lab bench``): the kernels
+are bound by instruction issue (about twenty instructions per element for the E4M3/E2M1 rounding
+and packing, more with SR's Philox draws and the RHT's FP64 butterfly), not by memory; and one
+Python call launches two or three kernels, so capture small steps in CUDA graphs.
 
 Where the kernels run: CUDA tensors when Triton is installed; CPU tensors only in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before this package is first used), which the CPU
