@@ -468,6 +468,42 @@ def dequantize_kernel(d_ptr, s_ptr, amax_ptr, out_ptr, M, K, d_rs, s_rs, o_rs, i
 
 # ----------------------------------------------------------------------------- 16-slice kernel
 @triton.jit
+def _load_slices(base, sxm, lmask, EVEN: tl.constexpr):
+    """The 16 row slices ``x[16g + i, k]`` (i = 0..15) of a 16-slice tile, as float32: a tuple of
+    16 [G, BK] tensors (``base`` points at the tile's rows 16g, ``sxm`` is the row stride)."""
+    if EVEN:
+        xs = [tl.load(base + i * sxm).to(tl.float32)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    else:
+        xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    return tl.tuple(xs)
+
+
+@triton.jit
+def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl.constexpr):
+    """The RHT of columnwise blocks held as 16 slices (tuple of 16 [G, BK], slice i = element i of
+    every block): the 4-stage butterfly of :func:`_rht16` as element-wise add/sub between slices,
+    with the same numerics (exact in float64, one rounding to float32, then to bf16)."""
+    if F64:
+        ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    else:
+        ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    for s in tl.static_range(4):
+        ys = [(ys[i] + ys[i + (1 << s)]) if (i & (1 << s)) == 0 else (ys[i - (1 << s)] - ys[i])
+              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    if F64:
+        ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    else:
+        ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    if ROUND_BF16:
+        ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    return tl.tuple(ys)
+
+
+@triton.jit
 def _uniform_from_bits(r):
     """uint32/int32 random word -> two uniforms (low and high 16 bits), (k + 0.5) * 2^-16."""
     w = r.to(tl.uint32, bitcast=True)
@@ -507,12 +543,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         cols = cols.to(tl.int64)
     base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
     lmask = (g[:, None] < M) & (cols[None, :] < K)
-    if EVEN:
-        xs = [tl.load(base + i * sxm).to(tl.float32)
-              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-    else:
-        xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
-              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    xs = _load_slices(base, sxm, lmask, EVEN)
     K16 = (K + 15) // 16
     M16 = M // 16
     gi = pm * G + tl.arange(0, G)  # columnwise block index along M
@@ -569,21 +600,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         s_enc_t, s_dec_t, mult_t = _global_scales(tl.load(amaxt_ptr), inv6)
         ys = xs
         if COL_RHT:
-            if RHT_F64:
-                ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
-                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-            else:
-                ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
-                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-            for s in tl.static_range(4):
-                ys = [(ys[i] + ys[i + (1 << s)]) if (i & (1 << s)) == 0 else (ys[i - (1 << s)] - ys[i])
-                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-            if RHT_F64:
-                ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-            else:
-                ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-            if ROUND_BF16:
-                ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            ys = _rht16_slices(xs, SIGN_MASK, RHT_F64, ROUND_BF16)
         bm = tl.abs(ys[0])
         for i in tl.static_range(1, 16):
             bm = tl.maximum(bm, tl.abs(ys[i]))
@@ -650,33 +667,14 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
         cols = cols.to(tl.int64)
     base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
     lmask = (g[:, None] < M) & (cols[None, :] < K)
-    if EVEN:
-        xs = [tl.load(base + i * sxm).to(tl.float32)
-              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-    else:
-        xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
-              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    xs = _load_slices(base, sxm, lmask, EVEN)
     if ROW:
         m = _abs_bits(xs[0])
         for i in tl.static_range(1, 16):
             m = tl.maximum(m, _abs_bits(xs[i]))
         tl.atomic_max(amax_ptr, tl.max(tl.max(m, axis=1), axis=0))
     if COL_RHT:
-        if RHT_F64:
-            ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
-                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        else:
-            ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
-                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        for s in tl.static_range(4):
-            ys = [(ys[i] + ys[i + (1 << s)]) if (i & (1 << s)) == 0 else (ys[i - (1 << s)] - ys[i])
-                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        if RHT_F64:
-            ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        else:
-            ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        if ROUND_BF16:
-            ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        ys = _rht16_slices(xs, SIGN_MASK, RHT_F64, ROUND_BF16)
         mc = _abs_bits(ys[0])
         for i in tl.static_range(1, 16):
             mc = tl.maximum(mc, _abs_bits(ys[i]))
