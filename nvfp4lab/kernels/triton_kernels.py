@@ -468,16 +468,27 @@ def dequantize_kernel(d_ptr, s_ptr, amax_ptr, out_ptr, M, K, d_rs, s_rs, o_rs, i
 
 # ----------------------------------------------------------------------------- 16-slice kernel
 @triton.jit
-def _load_slices(base, sxm, lmask, EVEN: tl.constexpr):
-    """The 16 row slices ``x[16g + i, k]`` (i = 0..15) of a 16-slice tile, as float32: a tuple of
-    16 [G, BK] tensors (``base`` points at the tile's rows 16g, ``sxm`` is the row stride)."""
+def _load_slice_tile(x_ptr, M, K, sxm, sxk, G: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr,
+                     EVEN: tl.constexpr, I64: tl.constexpr):
+    """This program's tile of 16·G rows × BK columns of x [M, K] as 16 row slices
+    ``xs[i] = x[16g + i, k]`` (float32, a tuple of 16 [G, BK] tensors), with the slices' first
+    rows ``g`` [G], the columns [BK] and the tile index (pm, pk)."""
+    BM: tl.constexpr = 16 * G
+    pm, pk = _tile_index(M, K, BM, BK, REVERSE)
+    g = pm * BM + tl.arange(0, G) * 16
+    cols = pk * BK + tl.arange(0, BK)
+    if I64:
+        g = g.to(tl.int64)
+        cols = cols.to(tl.int64)
+    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
+    lmask = (g[:, None] < M) & (cols[None, :] < K)
     if EVEN:
         xs = [tl.load(base + i * sxm).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     else:
         xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-    return tl.tuple(xs)
+    return tl.tuple(xs), g, cols, pm, pk
 
 
 @triton.jit
@@ -535,15 +546,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     columnwise block are one thread's, stored as one 32-byte row segment).
     """
     BM: tl.constexpr = 16 * G
-    pm, pk = _tile_index(M, K, BM, BK, REVERSE)
-    g = pm * BM + tl.arange(0, G) * 16
-    cols = pk * BK + tl.arange(0, BK)
-    if I64:
-        g = g.to(tl.int64)
-        cols = cols.to(tl.int64)
-    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
-    lmask = (g[:, None] < M) & (cols[None, :] < K)
-    xs = _load_slices(base, sxm, lmask, EVEN)
+    xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, REVERSE, EVEN, I64)
     K16 = (K + 15) // 16
     M16 = M // 16
     gi = pm * G + tl.arange(0, G)  # columnwise block index along M
@@ -658,16 +661,7 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
     """amax pass for the 16-slice layout (M % 16 == 0): max|x| into amax[0] when ROW and the
     columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel.
     NaN-propagating integer max on int32 ``amax_ptr``, as :func:`amax_kernel`."""
-    BM: tl.constexpr = 16 * G
-    pm, pk = _tile_index(M, K, BM, BK, False)
-    g = pm * BM + tl.arange(0, G) * 16
-    cols = pk * BK + tl.arange(0, BK)
-    if I64:
-        g = g.to(tl.int64)
-        cols = cols.to(tl.int64)
-    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
-    lmask = (g[:, None] < M) & (cols[None, :] < K)
-    xs = _load_slices(base, sxm, lmask, EVEN)
+    xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, False, EVEN, I64)
     if ROW:
         m = _abs_bits(xs[0])
         for i in tl.static_range(1, 16):
