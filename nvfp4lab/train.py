@@ -127,6 +127,11 @@ class TrainConfig:
     (default: ``eval_interval``; 0 = only at the end), ``out`` (run folder), ``name``,
     ``seed``, ``resume`` (checkpoint file or run folder), ``on_nonfinite`` ("stop"/"skip"),
     ``device``, ``threads``, ``progress`` (None = only on a terminal), ``plot``.
+    Speed: ``cuda_graph`` (CUDA, nvfp4lab backend): after a few eager warm-up steps, forward,
+    backward and gradient clipping of a step are captured once in a CUDA graph and replayed
+    (:class:`GraphedStep`); the optimizer step and the non-finite checks stay outside it, so
+    the run means the same as without it. Worth it for small models, where launching kernels
+    from Python is slower than running them.
 
     :meth:`resolved` fills the preset values and validates (``ValueError`` naming the field).
     """
@@ -167,6 +172,7 @@ class TrainConfig:
     threads: int | None = None
     progress: bool | None = None
     plot: bool = True
+    cuda_graph: bool = False
 
     # -- resolution and validation
     def resolved(self) -> "TrainConfig":
@@ -222,6 +228,9 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.threads must be a positive int, got {self.threads!r}")
         if self.val_every < 2 or self.chunk_bytes <= 0:
             raise ValueError("TrainConfig needs val_every >= 2 and chunk_bytes > 0")
+        if self.cuda_graph and (self.backend != "nvfp4lab" or torch.device(self.device).type != "cuda"):
+            raise ValueError(f"cuda_graph needs the nvfp4lab backend on a CUDA device, got backend "
+                             f"{self.backend!r} on {self.device!r} (TE models: te.make_graphed_callables)")
         self.model_config()  # shape checks
 
     def model_config(self) -> GPTConfig:
@@ -457,10 +466,62 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]
             {"params": no_decay, "weight_decay": 0.0}]
 
 
-def _autocast(precision: str, device: torch.device):
+class GraphedStep:
+    """Forward, backward and gradient clipping of a training step, captured once in a CUDA graph.
+
+    The first call captures (on the inputs' shapes); every call copies ``x``, ``y`` into the
+    graph's static inputs, replays, and returns the static ``(loss, grad_norm)`` tensors. The
+    parameters' ``.grad`` are then the graph's own tensors, rewritten by every replay: do not set
+    them to ``None`` between steps. ``generators``: custom CUDA generators the step draws from
+    (the SR generator), registered so that every replay draws fresh numbers. Kernels must have
+    been compiled and lazy initialisations done by eager steps on a side stream first (what
+    :func:`train` does), and the step must not synchronise with the host (NVFP4Linear's fused
+    path does not). Raises whatever ``torch.cuda.graph`` raises on an uncapturable step.
+    """
+
+    def __init__(self, model: nn.Module, params: list[torch.nn.Parameter], precision: str,
+                 device: torch.device, grad_clip: float, generators: tuple = ()) -> None:
+        self.model, self.params, self.precision, self.device = model, params, precision, device
+        self.grad_clip, self.generators = grad_clip, generators
+        self.graph: torch.cuda.CUDAGraph | None = None
+
+    def _body(self, x: torch.Tensor, y: torch.Tensor):
+        with _autocast(self.precision, self.device, cache_enabled=False):
+            _, loss = self.model(x, y)
+        loss.backward()
+        return loss.detach(), _clip_and_norm(self.params, self.grad_clip)
+
+    def __call__(self, x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.graph is None:
+            self.static_x, self.static_y = x.clone(), y.clone()
+            for p in self.params:
+                p.grad = None  # the capture allocates them from the graph's pool
+            self.graph = torch.cuda.CUDAGraph()
+            for g in self.generators:
+                self.graph.register_generator_state(g)
+            with torch.cuda.graph(self.graph):
+                self.out = self._body(self.static_x, self.static_y)
+        self.static_x.copy_(x)
+        self.static_y.copy_(y)
+        self.graph.replay()
+        return self.out
+
+
+def _clip_and_norm(params: list[torch.nn.Parameter], grad_clip: float) -> torch.Tensor:
+    """Clip the gradients to ``grad_clip`` (if > 0) and return their total norm (a 0-d tensor)."""
+    if grad_clip > 0:
+        return torch.nn.utils.clip_grad_norm_(params, grad_clip)
+    return torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in params if p.grad is not None]))
+
+
+#: Eager steps (on a side stream) before a step is captured, and again after the BF16 cooldown.
+GRAPH_WARMUP_STEPS = 3
+
+
+def _autocast(precision: str, device: torch.device, cache_enabled: bool = True):
     if precision == "fp32":
         return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache_enabled)
 
 
 @torch.no_grad()
@@ -661,6 +722,9 @@ def train(config: TrainConfig) -> RunResult:
                disable=None if cfg.progress is None else not cfg.progress, file=sys.stderr)
     model.train()
     cooled = False
+    graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
+                          (sr_gen,) if cfg.precision == "nvfp4" else ()) if cfg.cuda_graph else None
+    warmup_left = GRAPH_WARMUP_STEPS
     try:
         for step in range(start_step, cfg.steps):
             if cooldown_start is not None and step >= cooldown_start and not cooled:
@@ -669,6 +733,8 @@ def train(config: TrainConfig) -> RunResult:
                 else:
                     set_quantization_enabled(model, False)
                 cooled = True
+                if graphed is not None:  # another computation: capture again after a warm-up
+                    graphed.graph, warmup_left = None, GRAPH_WARMUP_STEPS
                 if step == cooldown_start:
                     log({"type": "event", "event": "bf16 cooldown", "step": step})
             active = "bf16" if cooled else cfg.precision
@@ -679,30 +745,44 @@ def train(config: TrainConfig) -> RunResult:
             t0 = time.perf_counter()
             x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen)
             x, y = x.to(device), y.to(device)
-            optimizer.zero_grad(set_to_none=True)
-            with _autocast(cfg.precision, device):
-                _, loss = model(x, y)
-            loss_val = float(loss.detach())
             bad = None
-            if not math.isfinite(loss_val):
-                bad = "loss"
-                grad_norm = float("nan")
-            else:
-                loss.backward()
-                if cfg.grad_clip > 0:
-                    gn = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip)
-                else:
-                    gn = torch.linalg.vector_norm(
-                        torch.stack([p.grad.detach().float().norm() for p in params if p.grad is not None]))
-                grad_norm = float(gn)
-                if not math.isfinite(grad_norm):
+            if graphed is not None and warmup_left == 0:
+                # replay: the optimizer step below is outside the graph, so a non-finite loss or
+                # gradient is caught before it touches the weights, as in the eager branch
+                loss_t, gn = graphed(x, y)
+                loss_val, grad_norm = float(loss_t), float(gn)
+                if not math.isfinite(loss_val):
+                    bad, grad_norm = "loss", float("nan")
+                elif not math.isfinite(grad_norm):
                     bad = "gradient norm"
+            else:
+                side = None
+                if graphed is not None:  # warm-up on a side stream (kernels compile, lazy inits)
+                    side = torch.cuda.Stream(device)
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    warmup_left -= 1
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    optimizer.zero_grad(set_to_none=True)
+                    with _autocast(cfg.precision, device):
+                        _, loss = model(x, y)
+                    loss_val = float(loss.detach())
+                    if not math.isfinite(loss_val):
+                        bad = "loss"
+                        grad_norm = float("nan")
+                    else:
+                        loss.backward()
+                        grad_norm = float(_clip_and_norm(params, cfg.grad_clip))
+                        if not math.isfinite(grad_norm):
+                            bad = "gradient norm"
+                if side is not None:
+                    torch.cuda.current_stream(device).wait_stream(side)
             if bad is not None:
                 value = loss_val if bad == "loss" else grad_norm
                 log({"type": "nonfinite", "step": step, "what": bad, "value": str(value)})
                 if cfg.on_nonfinite == "skip":
                     skipped += 1
-                    optimizer.zero_grad(set_to_none=True)
+                    if graphed is None or graphed.graph is None:
+                        optimizer.zero_grad(set_to_none=True)
                     bar.update(1)
                     continue
                 status = "stopped_nonfinite"

@@ -224,3 +224,10 @@ def test_compare_writes_table_and_plot(tmp_path):
     assert Path(res.plot_path).exists() and json.loads(Path(res.json_path).read_text())["baseline"] == "bf16"
     with pytest.raises(ValueError, match="duplicate"):
         compare(tiny(tmp_path), ["bf16", "bf16"], out=tmp_path / "dup")
+
+
+def test_cuda_graph_needs_cuda_and_the_nvfp4lab_backend():
+    with pytest.raises(ValueError, match="cuda_graph needs the nvfp4lab backend on a CUDA device"):
+        TrainConfig(preset="ci", cuda_graph=True, device="cpu").resolved()
+    with pytest.raises(ValueError, match="te.make_graphed_callables"):
+        TrainConfig(preset="ci", cuda_graph=True, backend="te", device="cuda").resolved()
