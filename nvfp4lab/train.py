@@ -511,7 +511,8 @@ def _clip_and_norm(params: list[torch.nn.Parameter], grad_clip: float) -> torch.
     """Clip the gradients to ``grad_clip`` (if > 0) and return their total norm (a 0-d tensor)."""
     if grad_clip > 0:
         return torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    return torch.linalg.vector_norm(torch.stack([p.grad.detach().float().norm() for p in params if p.grad is not None]))
+    norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+    return torch.linalg.vector_norm(torch.stack(norms))
 
 
 #: Eager steps (on a side stream) before a step is captured, and again after the BF16 cooldown.
