@@ -76,9 +76,11 @@ class GemmQuantizer(Protocol):
 
     ``matmul(a, b, out_dtype=, bias=)`` returns ``cast(RN(a @ bᵀ) + bias)`` ([M, N], ``bias``
     [N] or ``None``, added in FP32 before the one rounding to ``out_dtype``). A quantizer may
-    also define ``quantize_pair(x, row_options, col_options, generator=)`` returning the
-    rowwise copy of ``x`` [M, K] and the columnwise copy (``xᵀ`` quantized along M, zero-padded
-    to 16 tokens for the RHT) together, or ``None`` to decline; :class:`NVFP4Linear` then
+    also define ``quantize_pair(x, row_options, col_options, generator=, values=)`` returning
+    the rowwise copy of ``x`` [M, K] and the columnwise copy (``xᵀ`` quantized along M)
+    together, or ``None`` to decline (``values``: which of the two should carry its BF16 block
+    values for the GEMM, see :func:`nvfp4lab.kernels.fused_quantize_rowwise_columnwise`);
+    :class:`NVFP4Linear` then
     neither transposes nor scans for NaN (the kernels' NaN-propagating amaxes make the
     outputs NaN instead, with no host synchronisation).
     """
