@@ -448,7 +448,15 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         if kernels.available(a.device) and kernels.available(b.device):
             return kernels.nvfp4_matmul_fast(a, b, out_dtype, bias=bias)
     acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
-    alpha = (a.amax.float() * b.amax.float()) / _f32(_GEMM_FACTOR, a.device)
+    return _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias)
+
+
+def _gemm_epilogue(acc: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, out_dtype: torch.dtype,
+                   bias: torch.Tensor | None) -> torch.Tensor:
+    """The tail of an emulated NVFP4 GEMM, in FP32 and in this order: ``RN(acc · alpha)`` with
+    ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` (a tensor division, IEEE), ``+ bias``, one
+    rounding to ``out_dtype``. ``acc``: the FP32 product of the block values [M, N]."""
+    alpha = (amax_a.float() * amax_b.float()) / _f32(_GEMM_FACTOR, acc.device)
     y = acc * alpha
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -47,7 +47,7 @@ from typing import Any, Iterator
 import torch
 
 from ..hadamard import RHT_SIZE, WGRAD_SIGN_MASK, WGRAD_SIGNS
-from ..quantize import NVFP4Tensor, _check_bias, nvfp4_matmul, quantize
+from ..quantize import NVFP4Tensor, _check_bias, _gemm_epilogue, nvfp4_matmul, quantize
 
 __all__ = [
     "available",
@@ -546,10 +546,11 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 def _epilogue(acc: torch.Tensor, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
               bias: torch.Tensor | None) -> torch.Tensor:
-    """``cast(RN(RN(acc · alpha) + bias))`` in one kernel (FP32 or BF16 output), else in torch ops."""
+    """``cast(RN(RN(acc · alpha) + bias))`` in one kernel (FP32 or BF16 output), else the
+    reference's torch ops (:func:`nvfp4lab.quantize._gemm_epilogue`). ``bias`` was checked."""
     M, N = acc.shape
     if out_dtype in (torch.float32, torch.bfloat16) and acc.is_contiguous() and (
-            bias is None or (bias.dim() == 1 and bias.numel() == N and bias.device == acc.device)):
+            bias is None or bias.device == acc.device):
         out = acc if out_dtype == torch.float32 else torch.empty(M, N, dtype=out_dtype, device=acc.device)
         bf16 = out_dtype == torch.bfloat16
         bias_c = None if bias is None else bias.contiguous()
@@ -559,11 +560,7 @@ def _epilogue(acc: torch.Tensor, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torc
             out.view(torch.int16) if bf16 else out, M, N, acc.stride(0), N, _GEMM_FACTOR,
             HAS_BIAS=bias is not None, OUT_BF16=bf16, BM=BM, BN=BN, num_warps=4, **_launch_opts())
         return out
-    alpha = (a.amax.float() * b.amax.float()) / torch.full((), _GEMM_FACTOR, device=acc.device)
-    y = acc * alpha
-    if bias is not None:
-        y = y + bias.to(torch.float32)
-    return y.to(out_dtype)
+    return _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias)
 
 
 def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32,
