@@ -305,30 +305,13 @@ def section_nvfp4_refusal(args) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- training
-def _lr_at(step: int, lr: float, steps: int, warmup: int, min_frac: float = 0.1) -> float:
-    """Linear warm-up then cosine decay to ``min_frac * lr`` (as nvfp4lab.train.lr_at)."""
-    if warmup > 0 and step < warmup:
-        return lr * (step + 1) / warmup
-    progress = min(1.0, (step - warmup) / max(1, steps - 1 - warmup))
-    return lr * min_frac + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - lr * min_frac)
-
-
-def _param_groups(model: nn.Module, weight_decay: float):
-    seen, decay, no_decay = set(), [], []
-    for p in model.parameters():
-        if id(p) in seen or not p.requires_grad:
-            continue
-        seen.add(id(p))
-        (decay if p.dim() >= 2 else no_decay).append(p)
-    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-
-
 def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.device) -> dict[str, Any]:
     from nvfp4lab import te as T
     from nvfp4lab.data import get_batch
     from nvfp4lab.linear import convert_model, layer_precisions
     from nvfp4lab.model import GPT
     from nvfp4lab.recipe import NVFP4Recipe
+    from nvfp4lab.train import GRAPH_WARMUP_STEPS, _param_groups, lr_at
 
     cfg, recipe = setup["config"], NVFP4Recipe()
     backend, precision = spec["backend"], spec["precision"]
@@ -375,7 +358,7 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.
                 if precision != "fp32" else contextlib.nullcontext())
 
     def set_lr(step: int) -> None:
-        lr = _lr_at(step, setup["lr"], steps, setup["warmup_steps"])
+        lr = lr_at(step, lr=setup["lr"], steps=steps, warmup_steps=setup["warmup_steps"], min_lr_frac=0.1)
         for g in opt.param_groups:
             if graphed:
                 g["lr"].fill_(lr)
@@ -476,8 +459,6 @@ TRAIN_RUNS = (
     {"name": "nvfp4lab-bf16-graph", "backend": "nvfp4lab", "precision": "bf16", "graph": True},
     {"name": "nvfp4lab-nvfp4-graph", "backend": "nvfp4lab", "precision": "nvfp4", "graph": True},
 )
-#: Eager steps before a training step is captured in a CUDA graph (runs named ``*-graph``).
-GRAPH_WARMUP_STEPS = 3
 #: Only when named in --runs: TE's pure-PyTorch NVFP4 reference through the TE model (slow).
 OPTIONAL_RUNS = (
     {"name": "te-nvfp4-reference", "backend": "te", "precision": "nvfp4-reference"},
