@@ -18,3 +18,21 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fused_pair_calls(monkeypatch):
+    """Wrap ``nvfp4lab.kernels.fused_quantize_rowwise_columnwise``; the returned list gets, per
+    call, whether the fused kernels took it (True) or declined (False)."""
+    from nvfp4lab import kernels
+
+    calls: list[bool] = []
+    real = kernels.fused_quantize_rowwise_columnwise
+
+    def counting(*args, **kwargs):
+        pair = real(*args, **kwargs)
+        calls.append(pair is not None)
+        return pair
+
+    monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
+    return calls

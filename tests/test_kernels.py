@@ -317,7 +317,7 @@ def _fast_and_reference_layers(recipe, dtype_w=torch.float32):
 
 @pytest.mark.parametrize("M, dtype, two_d", [(32, torch.bfloat16, True), (48, torch.float32, False),
                                              (24, torch.bfloat16, True)])
-def test_nvfp4linear_fused_pair_path_equals_reference(monkeypatch, M, dtype, two_d):
+def test_nvfp4linear_fused_pair_path_equals_reference(fused_pair_calls, M, dtype, two_d):
     """NVFP4Linear through quantize_pair (X, W, dY each read once for both copies) gives the
     reference path's Y, dX, dW, db bit for bit (RNE); with M % 16 != 0 it declines the pair
     (the RHT needs whole 16-token chunks) and quantizes operand by operand."""
@@ -325,15 +325,7 @@ def test_nvfp4linear_fused_pair_path_equals_reference(monkeypatch, M, dtype, two
 
     recipe = NVFP4Recipe(disable_stochastic_rounding=True, disable_2d_quantization=not two_d)
     ref, fast = _fast_and_reference_layers(recipe)
-    calls = []
-    real = kernels.fused_quantize_rowwise_columnwise
-
-    def counting(*a, **k):
-        pair = real(*a, **k)
-        calls.append(pair is not None)
-        return pair
-
-    monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
+    calls = fused_pair_calls
     x = _x((M, 64), dtype, seed=13).requires_grad_()
     out = []
     for layer in (ref, fast):

@@ -174,7 +174,7 @@ def test_gemm_epilogue_bit_exact(out_dtype):
     assert torch.equal(kernels._epilogue(acc.clone(), a, b, out_dtype, bias), ref)
 
 
-def test_default_nvfp4linear_takes_the_fused_path(monkeypatch):
+def test_default_nvfp4linear_takes_the_fused_path(fused_pair_calls):
     """On CUDA the default quantizer quantizes X, W and dY once each for both copies and
     agrees with the operand-by-operand reference (FP32 accumulation order only); a NaN in X
     gives NaN Y and dW with no host-side scan."""
@@ -190,15 +190,7 @@ def test_default_nvfp4linear_takes_the_fused_path(monkeypatch):
         y_ref.float().square().sum().backward()
     g_ref = (x.grad.clone(), layer.weight.grad.clone(), layer.bias.grad.clone())
     x.grad = layer.weight.grad = layer.bias.grad = None
-    calls = []
-    real = kernels.fused_quantize_rowwise_columnwise
-
-    def counting(*a, **k):
-        pair = real(*a, **k)
-        calls.append(pair is not None)
-        return pair
-
-    monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
+    calls = fused_pair_calls
     y = layer(x)
     y.float().square().sum().backward()
     assert sum(calls) == 3
