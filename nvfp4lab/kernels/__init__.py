@@ -100,6 +100,10 @@ ROWS_KERNEL = True
 #: Run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs).
 #: False: float32 butterfly (faster; see triton_kernels' docstring for what differs).
 RHT_F64 = True
+#: Without a bias, apply the per-tensor factor alpha in cuBLAS's epilogue (device-pointer alpha,
+#: :mod:`nvfp4lab.kernels.cublas`), writing the GEMM output in its final dtype; False: FP32 GEMM
+#: output, then :func:`_epilogue`'s kernel (also the path with a bias, or without cuBLAS).
+CUBLAS_ALPHA = True
 #: E2M1 encode by float32 bit arithmetic (True) or by the 7 thresholds of TE's reference (False);
 #: identical codes.
 E2M1_BITS = True
@@ -569,9 +573,12 @@ def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = t
 
     ``code × block scale`` is exact in BF16, so a BF16 GEMM with FP32 accumulation
     (``torch.mm(..., out_dtype=torch.float32)``) computes the same sum up to FP32 accumulation
-    order; then one epilogue kernel applies ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))``
-    in FP32, adds ``bias`` (FP32) and rounds to ``out_dtype``, the reference's operations in
-    its order. Same checks and errors as the reference.
+    order; ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` is applied in FP32, ``bias`` (FP32)
+    added and the sum rounded once to ``out_dtype``, the reference's operations in its order.
+    Without a bias (and with ``CUBLAS_ALPHA``), cuBLAS applies alpha itself, read from device
+    memory, and writes ``out_dtype`` directly (:mod:`nvfp4lab.kernels.cublas`); otherwise the
+    GEMM writes FP32 and one epilogue kernel does the rest. Same checks and errors as the
+    reference.
 
     A fused GEMM reading the packed FP4 operands was not written: the emulation's GEMM is
     compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM
@@ -585,8 +592,18 @@ def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = t
         return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)  # raises the reference's ValueError
     if not (available(a.device) and available(b.device)):
         return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
-    acc = _mm_fp32(block_values_bf16(a), block_values_bf16(b))
-    return _epilogue(acc, a, b, out_dtype, bias)
+    va, vb = block_values_bf16(a), block_values_bf16(b)
+    if CUBLAS_ALPHA and bias is None and out_dtype in (torch.float32, torch.bfloat16) and va.is_cuda:
+        from . import cublas
+
+        if cublas.available():
+            coef = torch.empty(2, dtype=torch.float32, device=va.device)
+            _kernels().gemm_alpha_kernel[(1,)](a.amax.reshape(1).float(), b.amax.reshape(1).float(), coef,
+                                               _GEMM_FACTOR, num_warps=1, **_launch_opts())
+            out = cublas.gemm_device_alpha(va, vb, coef, out_dtype)
+            if out is not None:
+                return out
+    return _epilogue(_mm_fp32(va, vb), a, b, out_dtype, bias)
 
 
 def quantize_pair_fast(x: torch.Tensor, row: dict[str, Any] | None, col: dict[str, Any] | None = None, *,

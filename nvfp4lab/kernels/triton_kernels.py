@@ -75,6 +75,16 @@ def _amax_bits(v):
 
 
 @triton.jit
+def _rounded_max(bits, ROUND_BF16: tl.constexpr):
+    """An amax (|v| as int32 bits, NaN-propagating) of float32 RHT outputs -> the amax of those
+    outputs rounded to BF16. RNE is monotone and odd, so max|RN(v)| = RN(max|v|): the amax passes
+    round one value per tile instead of every element (NaN stays NaN, overflow gives inf)."""
+    if ROUND_BF16:
+        bits = _round_bf16(bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
+    return bits
+
+
+@triton.jit
 def _e4m3_rne(s):
     """``s`` float32 in [0, 448] -> (RNE E4M3 value as float32, its E4M3 bit pattern as int32)."""
     bits = s.to(tl.int32, bitcast=True)
@@ -327,13 +337,13 @@ def amax_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
     pm, pk = _tile_index(M, K, BM, BK, False)
     x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK, EVEN, I64)
     if ROW:
-        v = x
         if ROW_RHT:
-            v = _rht16(x, BM, BK, SIGN_MASK, RHT_F64, ROUND_BF16)
-        tl.atomic_max(amax_ptr, _amax_bits(v))
+            tl.atomic_max(amax_ptr, _rounded_max(_amax_bits(_rht16(x, BM, BK, SIGN_MASK, RHT_F64, False)), ROUND_BF16))
+        else:
+            tl.atomic_max(amax_ptr, _amax_bits(x))
     if COL_RHT:
-        vt = _rht16(tl.trans(x), BK, BM, SIGN_MASK, RHT_F64, ROUND_BF16)
-        tl.atomic_max(amax_ptr + 1, _amax_bits(vt))
+        vt = _rht16(tl.trans(x), BK, BM, SIGN_MASK, RHT_F64, False)
+        tl.atomic_max(amax_ptr + 1, _rounded_max(_amax_bits(vt), ROUND_BF16))
 
 
 @triton.jit
@@ -668,14 +678,29 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
             m = tl.maximum(m, _abs_bits(xs[i]))
         tl.atomic_max(amax_ptr, tl.max(tl.max(m, axis=1), axis=0))
     if COL_RHT:
-        ys = _rht16_slices(xs, SIGN_MASK, RHT_F64, ROUND_BF16)
+        ys = _rht16_slices(xs, SIGN_MASK, RHT_F64, False)
         mc = _abs_bits(ys[0])
         for i in tl.static_range(1, 16):
             mc = tl.maximum(mc, _abs_bits(ys[i]))
-        tl.atomic_max(amax_ptr + 1, tl.max(tl.max(mc, axis=1), axis=0))
+        tl.atomic_max(amax_ptr + 1, _rounded_max(tl.max(tl.max(mc, axis=1), axis=0), ROUND_BF16))
 
 
 # ----------------------------------------------------------------------------- GEMM epilogue
+@triton.jit
+def _gemm_alpha(amax_a_ptr, amax_b_ptr, gemm_factor):
+    """The per-tensor factor of an emulated NVFP4 GEMM, ``RN(RN(amax_a · amax_b) / 6²·448²)`` (IEEE division)."""
+    ab = tl.load(amax_a_ptr).to(tl.float32) * tl.load(amax_b_ptr).to(tl.float32)
+    return tl.math.div_rn(ab, gemm_factor)
+
+
+@triton.jit
+def gemm_alpha_kernel(amax_a_ptr, amax_b_ptr, out_ptr, gemm_factor):
+    """``out[0] = alpha`` (:func:`_gemm_alpha`) and ``out[1] = 0``: the (alpha, beta) device scalars
+    of the cuBLAS GEMM that applies alpha in its epilogue (:mod:`nvfp4lab.kernels.cublas`)."""
+    tl.store(out_ptr, _gemm_alpha(amax_a_ptr, amax_b_ptr, gemm_factor))
+    tl.store(out_ptr + 1, 0.0)
+
+
 @triton.jit
 def gemm_epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, N, acc_rs, out_rs,
                          gemm_factor, HAS_BIAS: tl.constexpr, OUT_BF16: tl.constexpr,
@@ -693,9 +718,7 @@ def gemm_epilogue_kernel(acc_ptr, amax_a_ptr, amax_b_ptr, bias_ptr, out_ptr, M, 
     cols = pn * BN + tl.arange(0, BN)
     mask = (rows[:, None] < M) & (cols[None, :] < N)
     acc = tl.load(acc_ptr + rows[:, None] * acc_rs + cols[None, :], mask=mask, other=0.0)
-    ab = tl.load(amax_a_ptr).to(tl.float32) * tl.load(amax_b_ptr).to(tl.float32)
-    alpha = tl.math.div_rn(ab, gemm_factor)
-    t = acc * alpha
+    t = acc * _gemm_alpha(amax_a_ptr, amax_b_ptr, gemm_factor)
     if HAS_BIAS:
         b = tl.load(bias_ptr + cols, mask=cols < N, other=0.0).to(tl.float32)
         t = t + b[None, :]

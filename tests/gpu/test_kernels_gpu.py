@@ -174,6 +174,55 @@ def test_gemm_epilogue_bit_exact(out_dtype):
     assert torch.equal(kernels._epilogue(acc.clone(), a, b, out_dtype, bias), ref)
 
 
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("layout", ["rowmajor", "a_view", "b_view"])
+def test_cublas_device_alpha_epilogue_bit_exact(out_dtype, layout):
+    """cuBLAS with alpha read from device memory gives RN_out(RN32(alpha · acc)): small-integer
+    operands make the FP32 accumulation exact in any order, so the result must equal the
+    reference's torch ops bit for bit. The output buffer is recycled from a NaN-filled block,
+    so reading C (beta = 0) would show as NaN."""
+    from nvfp4lab.kernels import cublas
+
+    if not cublas.available():
+        pytest.skip("cuBLAS symbols not found")
+    g = torch.Generator(DEV).manual_seed(21)
+    M, N, K = 384, 256, 512
+    a = torch.randint(-6, 7, (M, K), device=DEV, generator=g).to(torch.bfloat16)
+    b = torch.randint(-6, 7, (N, K), device=DEV, generator=g).to(torch.bfloat16)
+    if layout == "a_view":
+        a = a.t().contiguous().t()
+    if layout == "b_view":
+        b = b.t().contiguous().t()
+    alpha = torch.tensor([0.1234567, 0.0], device=DEV)
+    ref = ((a.float() @ b.float().t()) * alpha[0]).to(out_dtype)
+    del ref  # recompute after recycling a NaN block into the allocator
+    junk = torch.full((M, N), float("nan"), dtype=out_dtype, device=DEV)
+    del junk
+    out = cublas.gemm_device_alpha(a, b, alpha, out_dtype)
+    ref = ((a.float() @ b.float().t()) * alpha[0]).to(out_dtype)
+    assert out is not None and out.dtype == out_dtype and out.shape == (M, N)
+    assert torch.equal(out, ref)
+    with pytest.raises(ValueError, match="alpha_zero"):
+        cublas.gemm_device_alpha(a, b, alpha[:1], out_dtype)
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_matmul_fast_cublas_alpha_equals_epilogue_path(monkeypatch, out_dtype):
+    """nvfp4_matmul_fast with alpha in cuBLAS's epilogue == the FP32-output + epilogue-kernel path
+    (up to FP32 accumulation order), and a NaN amax still makes every output NaN."""
+    a = kernels.quantize_fast(_x((2048, 1024), torch.bfloat16, seed=22))
+    b = kernels.quantize_fast(_x((768, 1024), torch.bfloat16, seed=23), block="2d")
+    out = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
+    monkeypatch.setattr(kernels, "CUBLAS_ALPHA", False)
+    ref = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
+    assert out.dtype == ref.dtype == out_dtype
+    rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
+    assert rel < (1e-5 if out_dtype == torch.float32 else 4e-3), rel
+    monkeypatch.setattr(kernels, "CUBLAS_ALPHA", True)
+    a.amax.fill_(float("nan"))
+    assert torch.isnan(kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)).all()
+
+
 def test_default_nvfp4linear_takes_the_fused_path(fused_pair_calls):
     """On CUDA the default quantizer quantizes X, W and dY once each for both copies and
     agrees with the operand-by-operand reference (FP32 accumulation order only); a NaN in X
