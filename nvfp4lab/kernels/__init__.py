@@ -76,11 +76,12 @@ CONFIG: dict[str, dict[str, int]] = {
     "2d": dict(BM=64, BK=128, num_warps=8),
     "dequant": dict(BM=32, BK=256, num_warps=8),
     # one-block-per-thread kernels (rowwise 1x16, K % 16 == 0): BM rows x NB blocks per program
-    "rows": dict(BM=8, NB=32, num_warps=4),
+    "rows": dict(BM=4, NB=16, num_warps=2),
     "values": dict(BM=4, NB=32, num_warps=4),
     # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
     # 16 rows x BK columns per program
-    "slices_col": dict(G=4, BK=128, num_warps=4),
+    "slices_col": dict(G=4, BK=64, num_warps=4),
+    "slices_col_sr": dict(G=2, BK=64, num_warps=2),  # stochastic rounding: more registers per element
     "slices_both": dict(G=4, BK=64, num_warps=4),
     "slices2d": dict(G=4, BK=64, num_warps=4),
     "amax_slices": dict(G=2, BK=128, num_warps=4),
@@ -302,7 +303,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             return
         use_slices = SLICES and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
         if use_slices:
-            cfg = CONFIG["slices2d" if block2d else ("slices_both" if row_ else "slices_col")]
+            mode = "slices2d" if block2d else ("slices_both" if row_ else ("slices_col_sr" if sr else "slices_col"))
+            cfg = CONFIG[mode]
             G, BK = cfg["G"], cfg["BK"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] and row_ and block2d else None
             vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
