@@ -76,7 +76,8 @@ CONFIG: dict[str, dict[str, int]] = {
     "2d": dict(BM=64, BK=128, num_warps=8),
     "dequant": dict(BM=32, BK=256, num_warps=8),
     # one-block-per-thread kernels (rowwise 1x16, K % 16 == 0): BM rows x NB blocks per program
-    "rows": dict(BM=4, NB=16, num_warps=2),
+    "rows": dict(BM=8, NB=32, num_warps=4),
+    "rows_narrow": dict(BM=4, NB=16, num_warps=2),  # when K/16 is not a multiple of 32 (K = 768: -7%)
     "values": dict(BM=4, NB=32, num_warps=4),
     # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
     # 16 rows x BK columns per program
@@ -291,7 +292,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
 
     def launch(row_: bool, col_: bool) -> None:
         if ROWS_KERNEL and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
-            cfg = CONFIG["rows"]
+            cfg = CONFIG["rows" if (K // 16) % CONFIG["rows"]["NB"] == 0 else "rows_narrow"]
             BM, NB = cfg["BM"], cfg["NB"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
             k.quantize_rows_kernel[(_cdiv(M, BM) * _cdiv(K // 16, NB),)](
