@@ -476,25 +476,32 @@ def test_rht_fp32_butterfly_mode_is_close_for_bf16():
 def _e2m1_probe(y_ptr, c_ptr, c2_ptr, N: tl.constexpr):
     i = tl.arange(0, N)
     y = tl.load(y_ptr + i)
-    tl.store(c_ptr + i, tk._e2m1_rne_bits(y))
-    tl.store(c2_ptr + i, tk._e2m1_rne(y))
+    tl.store(c_ptr + i, tk._e2m1_rne_fast(y))
+    tl.store(c2_ptr + i, tk._e2m1_rne(tk._clamp6(y)))
 
 
-def test_e2m1_bit_encoder_matches_thresholds():
+def test_e2m1_fast_encoder_matches_thresholds():
+    """The min-of-three-candidates encoder equals TE's thresholds: grid points, midpoints (ties)
+    and their float32 neighbours, both signs, -0.0, values that round to ±0, beyond ±6 and ±inf
+    (saturating), denormals. (Every float32 in [0, 6] was checked once with numpy; here, the
+    kernel helper itself in Triton's interpreter.)"""
     from nvfp4lab.formats import encode_e2m1
 
     grid = E2M1_VALUES
-    pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2])
+    pts = torch.cat([grid, (grid[1:] + grid[:-1]) / 2, torch.tensor([6.5, 7.0, 12.0, 1e30])])
     pts = torch.cat([pts, torch.nextafter(pts, torch.full_like(pts, -1.0)), torch.nextafter(pts, torch.full_like(pts, 7.0))])
-    y = torch.cat([pts, -pts, torch.rand(4000, generator=torch.Generator().manual_seed(3)) * 12 - 6,
-                   torch.tensor([-0.0, 0.0, 6.0, -6.0, 1e-30, -1e-30])]).clamp(-6, 6)
-    n = 1 << (y.numel() - 1).bit_length()
+    tiny = torch.tensor([1e-30, 1e-40, 1.4e-45, 0.1, 0.2499999])
+    y = torch.cat([pts, -pts, tiny, -tiny, torch.rand(4000, generator=torch.Generator().manual_seed(3)) * 24 - 12,
+                   torch.tensor([-0.0, 0.0, float("inf"), float("-inf")])])
+    k = y.numel()
+    n = 1 << (k - 1).bit_length()
     y = torch.cat([y, torch.zeros(n - y.numel())])
     c, c2 = torch.empty(n, dtype=torch.int32), torch.empty(n, dtype=torch.int32)
     _e2m1_probe[(1,)](y, c, c2, N=n)
     ref = encode_e2m1(y).int()
     assert torch.equal(c2, ref)
     assert torch.equal(c, ref)
+    assert c[k - 4:k].tolist() == [0, 0, 7, 15]  # -0.0, +0.0: code 0; ±inf saturate to ±6
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

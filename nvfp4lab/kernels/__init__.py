@@ -295,10 +295,12 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             cfg = CONFIG["rows" if (K // 16) % CONFIG["rows"]["NB"] == 0 else "rows_narrow"]
             BM, NB = cfg["BM"], cfg["NB"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
-            k.quantize_rows_kernel[(_cdiv(M, BM) * _cdiv(K // 16, NB),)](
+            # BF16 pairs loaded as int32 words where the rows are 4-byte aligned
+            words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+            k.quantize_rows_kernel[(_cdiv(M, BM), _cdiv(K // 16, NB))](
                 x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s,
-                dummy if v is None else v.view(torch.int16), Kh // 4, K16, K, _INV6,
-                SR=sr, VALUES=v is not None, BM=BM, NB=NB, REVERSE=reverse,
+                dummy if v is None else v.view(torch.int32), Kh // 4, K16, K // 2, _INV6,
+                SR=sr, VALUES=v is not None, WORDS=words, BM=BM, NB=NB, REVERSE=reverse,
                 EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
             out_v[0] = v
             return

@@ -149,6 +149,12 @@ def _rht16(x, R: tl.constexpr, C: tl.constexpr, SIGN_MASK: tl.constexpr, F64: tl
 
 
 @triton.jit
+def _clamp6(y):
+    """``y`` clamped to [-6, 6] (the E2M1 range; TE clamps the scaled values before rounding)."""
+    return tl.minimum(tl.maximum(y, -6.0), 6.0)
+
+
+@triton.jit
 def _e2m1_rne(y):
     """E2M1 codes (int32) of ``y`` already clamped to [-6, 6]: TE ``cast_to_fp4x2`` thresholds."""
     m = tl.abs(y)
@@ -159,19 +165,28 @@ def _e2m1_rne(y):
 
 
 @triton.jit
-def _e2m1_rne_bits(y):
-    """Same codes as :func:`_e2m1_rne` with fewer instructions (fp32 bit arithmetic).
+def _e2m1_rne_fast(y):
+    """E2M1 codes (int32) of the scaled values ``y`` (not clamped; |y| > 6 saturates to 6): the
+    codes of :func:`_e2m1_rne` (TE's thresholds) from floating-point operations.
 
-    |y| >= 1: round the float32 significand to 1 bit (RNE) and read (exponent, bit) as the
-    code; |y| < 1: RNE of 2|y| to an integer via the 2^23 magic add (codes 0, 1, 2).
+    Within each binade of the E2M1 grid the code is a linear function of the value, and a code
+    is even exactly where the value's mantissa bit is, so with m = min(|y|, 6) the magnitude code
+    is RNE-to-integer of the piecewise-linear, concave T(m) = min(2m, m + 2, m/2 + 4). RNE is
+    monotone, so it is the minimum of the three candidates RNE(2m), 2 + RNE(m), 4 + RNE(m/2),
+    each one exact operation: adding the magic 2^23 (whose float32 ulp is 1) rounds to an
+    integer, ``fma(m, 2, 2^23)`` etc., and the product is exact (a power of two), so Triton's
+    interpreter (multiply, then add) gives the same bits. The minimum's float32 bits are
+    0x4B000000 + code. (Checked against the thresholds on every float32 in [0, 6].)
+
+    The sign is that of ``y < 0``, as TE's reference: ``y + 0.0`` turns -0.0 into +0.0 (and
+    keeps every other value), so -0.0 gets code 0 and a negative value that rounds to zero
+    gets code 8. Mostly floating-point operations: the integer pipe, which issues at half the
+    float32 rate on Hopper, was what bounded the kernels. NaN gives an unspecified code.
     """
-    m = tl.abs(y)
-    b = m.to(tl.int32, bitcast=True)
-    cn = ((b + 0x1FFFFF + ((b >> 22) & 1)) >> 22) - 252
-    t = m * 2.0 + 8388608.0  # 2|y| is exact, so a fused multiply-add gives the same bits
-    cs = t.to(tl.int32, bitcast=True) - 0x4B000000
-    c = tl.where(m < 1.0, cs, cn)
-    return c | ((y < 0.0).to(tl.int32) << 3)
+    m = tl.minimum(tl.abs(y), 6.0)
+    u = tl.minimum(tl.minimum(tl.fma(m, 2.0, 8388608.0), m + 8388610.0), tl.fma(m, 0.5, 8388612.0))
+    neg = ((y + 0.0).to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return (u.to(tl.int32, bitcast=True) - 0x4B000000) | (neg << 3)
 
 
 @triton.jit
@@ -259,13 +274,12 @@ def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     sfv, sfc = _e4m3_rne(sf)
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
     y = v3 * enc[:, :, None]
-    y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     if SR:
-        codes = _e2m1_sr_bits(y, tl.reshape(u, (R, C // 16, 16)))
+        codes = _e2m1_sr_bits(_clamp6(y), tl.reshape(u, (R, C // 16, 16)))
     elif E2M1_BITS:
-        codes = _e2m1_rne_bits(y)
+        codes = _e2m1_rne_fast(y)
     else:
-        codes = _e2m1_rne(y)
+        codes = _e2m1_rne(_clamp6(y))
     return tl.reshape(codes, (R, C)), sfc
 
 
@@ -279,13 +293,12 @@ def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     sfv, sfc = _e4m3_rne(sf)
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
     y = v4 * enc[:, None, :, None]
-    y = tl.minimum(tl.maximum(y, -6.0), 6.0)
     if SR:
-        codes = _e2m1_sr_bits(y, tl.reshape(u, (R // 16, 16, C // 16, 16)))
+        codes = _e2m1_sr_bits(_clamp6(y), tl.reshape(u, (R // 16, 16, C // 16, 16)))
     elif E2M1_BITS:
-        codes = _e2m1_rne_bits(y)
+        codes = _e2m1_rne_fast(y)
     else:
-        codes = _e2m1_rne(y)
+        codes = _e2m1_rne(_clamp6(y))
     return tl.reshape(codes, (R, C)), sfc
 
 
@@ -580,8 +593,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             if COL:
                 _store(st_ptr + scols[None, :] * st_rs + gi[:, None], sfc.to(tl.uint8),
                        (gi[:, None] < M16) & (scols[None, :] < K16), EVEN)
-            rcodes = [tl.reshape(_e2m1_rne_bits(tl.minimum(tl.maximum(
-                tl.reshape(xs[i], (G, BK // 16, 16)) * enc[:, :, None], -6.0), 6.0)), (G, BK))
+            rcodes = [tl.reshape(_e2m1_rne_fast(tl.reshape(xs[i], (G, BK // 16, 16)) * enc[:, :, None]), (G, BK))
                 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             if ROW:
                 for i in tl.static_range(16):
@@ -635,10 +647,10 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             u12, u13 = _uniform_from_bits(b2)
             u14, u15 = _uniform_from_bits(b3)
             us = [u0, u1, u2, u3, u4, u5, u6, u7, u8, u9, u10, u11, u12, u13, u14, u15]
-            ccodes = [_e2m1_sr_bits(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0), us[i])
+            ccodes = [_e2m1_sr_bits(_clamp6(ys[i] * enc), us[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         else:
-            ccodes = [_e2m1_rne_bits(tl.minimum(tl.maximum(ys[i] * enc, -6.0), 6.0))
+            ccodes = [_e2m1_rne_fast(ys[i] * enc)
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         if VALUES_COL:
             cvals = [_values_bits(ccodes[i], sfv) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
@@ -749,78 +761,101 @@ def _values_bits(codes, sfv):
 
 
 @triton.jit
-def _pack8(codes):
-    """int32 codes [R, B, 8] (0..15) -> one int32 word [R, B]: code i in bits 4i..4i+3 (byte order of
-    the packed format: even element in the low nibble)."""
-    shifts = (tl.arange(0, 8) * 4)[None, None, :]
-    return tl.sum(codes << shifts, axis=2)
+def _rows_values_words(c_even, c_odd, sfv):
+    """BF16 block values ``code × scale`` of even/odd element pairs, packed as the int32 words of
+    the BF16 tensor (even element in the low half)."""
+    ve = (_e2m1_decode_bits(c_even).to(tl.float32, bitcast=True) * sfv).to(tl.uint32, bitcast=True)
+    vo = (_e2m1_decode_bits(c_odd).to(tl.float32, bitcast=True) * sfv).to(tl.uint32, bitcast=True)
+    return ((ve >> 16) | (vo & 0xFFFF0000)).to(tl.int32, bitcast=True)
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v_ptr, d32_rs, s_rs, v_rs, inv6,
-                         SR: tl.constexpr, VALUES: tl.constexpr, BM: tl.constexpr, NB: tl.constexpr,
-                         REVERSE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v32_ptr, d32_rs, s_rs, v32_rs, inv6,
+                         SR: tl.constexpr, VALUES: tl.constexpr, WORDS: tl.constexpr, BM: tl.constexpr,
+                         NB: tl.constexpr, REVERSE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
     """Rowwise 1x16 quantization of x [M, K] (K % 16 == 0, unit column stride), one block per thread.
 
-    Each program takes BM rows x NB blocks; the two 8-element halves of every block are loaded as
-    two [BM, NB, 8] tensors of the same layout, so a thread holds its whole block: the block amax,
-    the E4M3 scale and its reciprocal are computed once per block with no shuffle, and the 16
-    codes pack into two int32 words stored as one 8-byte vector to ``d32`` (the packed codes viewed
-    as int32 [M, K/8]). Same numerics as :func:`quantize_kernel` (ROW, no RHT); SR uses the same
-    Philox counters (row * 2*K16 + element // 8), so it draws the same stream. With VALUES it also
-    writes the BF16 block values ``code × scale`` (exact) to ``v`` [M, K] (int16 bits), the operand
-    the emulated GEMM multiplies, saving a separate decode pass.
+    Each program takes BM rows x NB blocks (grid: row tiles x block tiles); a thread holds the
+    16 elements of its block as four [BM, NB, 4] tensors: the even and odd elements of each
+    8-element half. With ``WORDS`` (BF16 input, ``x`` and ``sxm`` 4-byte aligned) they are loaded
+    as the int32 words of the BF16 pairs and unpacked by a shift and a mask; otherwise loaded as
+    floats and split. The block amax, the E4M3 scale and its reciprocal are computed once per
+    block with no shuffle; the 16 codes pack into two int32 words stored as one 8-byte vector to
+    ``d32`` (the packed codes viewed as int32 [M, K/8]). Same numerics as :func:`quantize_kernel`
+    (ROW, no RHT); SR uses the same Philox counters (row * 2*K16 + element // 8), so it draws
+    the same stream. With VALUES it also writes the BF16 block values ``code × scale`` (exact)
+    to ``v32`` (the BF16 [M, K] output viewed as int32 [M, K/2]), the operand the emulated GEMM
+    multiplies, saving a separate decode pass.
     """
     K16 = K // 16
-    pm, pb = _tile_index(M, K16, BM, NB, REVERSE)
+    pm = tl.program_id(0)
+    pb = tl.program_id(1)
+    if REVERSE:
+        pm = tl.num_programs(0) - 1 - pm
+        pb = tl.num_programs(1) - 1 - pb
     rows = pm * BM + tl.arange(0, BM)
     blks = pb * NB + tl.arange(0, NB)
     if I64:
         rows = rows.to(tl.int64)
         blks = blks.to(tl.int64)
-    e8 = tl.arange(0, 8)
-    ptrs = x_ptr + rows[:, None, None] * sxm + (blks * 16)[None, :, None] + e8[None, None, :]
-    if EVEN:
-        lo = tl.load(ptrs).to(tl.float32)
-        hi = tl.load(ptrs + 8).to(tl.float32)
+    e4 = tl.arange(0, 4)
+    m3 = (rows[:, None, None] < M) & (blks[None, :, None] < K16)
+    if WORDS:
+        wptr = x_ptr.to(tl.pointer_type(tl.int32)) + rows[:, None, None] * (sxm // 2) + (blks * 8)[None, :, None] \
+            + e4[None, None, :]
+        if EVEN:
+            w0 = tl.load(wptr)
+            w1 = tl.load(wptr + 4)
+        else:
+            w0 = tl.load(wptr, mask=m3, other=0)
+            w1 = tl.load(wptr + 4, mask=m3, other=0)
+        a0 = (w0 << 16).to(tl.float32, bitcast=True)
+        a1 = (w0 & -65536).to(tl.float32, bitcast=True)
+        a2 = (w1 << 16).to(tl.float32, bitcast=True)
+        a3 = (w1 & -65536).to(tl.float32, bitcast=True)
     else:
-        m3 = (rows[:, None, None] < M) & (blks[None, :, None] < K16)
-        lo = tl.load(ptrs, mask=m3, other=0.0).to(tl.float32)
-        hi = tl.load(ptrs + 8, mask=m3, other=0.0).to(tl.float32)
+        e8 = tl.arange(0, 8)
+        ptrs = x_ptr + rows[:, None, None] * sxm + (blks * 16)[None, :, None] + e8[None, None, :]
+        if EVEN:
+            lo = tl.load(ptrs).to(tl.float32)
+            hi = tl.load(ptrs + 8).to(tl.float32)
+        else:
+            lo = tl.load(ptrs, mask=m3, other=0.0).to(tl.float32)
+            hi = tl.load(ptrs + 8, mask=m3, other=0.0).to(tl.float32)
+        a0, a1 = tl.split(tl.reshape(lo, (BM, NB, 4, 2)))
+        a2, a3 = tl.split(tl.reshape(hi, (BM, NB, 4, 2)))
     s_enc, s_dec, mult = _global_scales(tl.load(amax_ptr), inv6)
-    bamax = tl.maximum(tl.max(tl.abs(lo), axis=2), tl.max(tl.abs(hi), axis=2))
+    bamax = tl.maximum(tl.maximum(tl.max(tl.abs(a0), axis=2), tl.max(tl.abs(a1), axis=2)),
+                       tl.maximum(tl.max(tl.abs(a2), axis=2), tl.max(tl.abs(a3), axis=2)))
     sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
     sfv, sfc = _e4m3_rne(sf)
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)[:, :, None]
-    ylo = tl.minimum(tl.maximum(lo * enc, -6.0), 6.0)
-    yhi = tl.minimum(tl.maximum(hi * enc, -6.0), 6.0)
     if SR:
         seed = tl.load(seed_ptr)
         cnt = rows[:, None] * (K16 * 2) + (blks * 2)[None, :]
-        clo = _e2m1_sr_bits(ylo, _uniform8(seed, cnt))
-        chi = _e2m1_sr_bits(yhi, _uniform8(seed, cnt + 1))
+        u0, u1 = tl.split(tl.reshape(_uniform8(seed, cnt), (BM, NB, 4, 2)))
+        u2, u3 = tl.split(tl.reshape(_uniform8(seed, cnt + 1), (BM, NB, 4, 2)))
+        c0 = _e2m1_sr_bits(_clamp6(a0 * enc), u0)
+        c1 = _e2m1_sr_bits(_clamp6(a1 * enc), u1)
+        c2 = _e2m1_sr_bits(_clamp6(a2 * enc), u2)
+        c3 = _e2m1_sr_bits(_clamp6(a3 * enc), u3)
     else:
-        clo = _e2m1_rne_bits(ylo)
-        chi = _e2m1_rne_bits(yhi)
+        c0 = _e2m1_rne_fast(a0 * enc)
+        c1 = _e2m1_rne_fast(a1 * enc)
+        c2 = _e2m1_rne_fast(a2 * enc)
+        c3 = _e2m1_rne_fast(a3 * enc)
     if VALUES:
-        vptrs = v_ptr + rows[:, None, None] * v_rs + (blks * 16)[None, :, None] + e8[None, None, :]
-        for half in tl.static_range(2):
-            c = clo if half == 0 else chi
-            v = _e2m1_decode_bits(c).to(tl.float32, bitcast=True) * sfv[:, :, None]  # exact in BF16
-            vb = (v.to(tl.uint32, bitcast=True) >> 16).to(tl.int16)
-            if EVEN:
-                tl.store(vptrs + half * 8, vb)
-            else:
-                tl.store(vptrs + half * 8, vb, mask=(rows[:, None, None] < M) & (blks[None, :, None] < K16))
-    words = tl.join(_pack8(clo), _pack8(chi))  # [BM, NB, 2]: the block's 8 bytes
+        sfb = sfv[:, :, None]
+        vptrs = v32_ptr + rows[:, None, None] * v32_rs + (blks * 8)[None, :, None] + e4[None, None, :]
+        _store(vptrs, _rows_values_words(c0, c1, sfb), m3, EVEN)
+        _store(vptrs + 4, _rows_values_words(c2, c3, sfb), m3, EVEN)
+    sh = (e4 * 8)[None, None, :]
+    words = tl.join(tl.sum((c0 << sh) | (c1 << (sh + 4)), axis=2),
+                    tl.sum((c2 << sh) | (c3 << (sh + 4)), axis=2))  # [BM, NB, 2]: the block's 8 bytes
     wptrs = d32_ptr + rows[:, None, None] * d32_rs + (blks * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
-    sptrs = s_ptr + rows[:, None] * s_rs + blks[None, :]
-    if EVEN:
-        tl.store(wptrs, words)
-        tl.store(sptrs, sfc.to(tl.uint8))
-    else:
-        tl.store(wptrs, words, mask=(rows[:, None, None] < M) & (blks[None, :, None] < K16))
-        tl.store(sptrs, sfc.to(tl.uint8), mask=(rows[:, None] < M) & (blks[None, :] < K16))
+    _store(wptrs, words, (rows[:, None, None] < M) & (blks[None, :, None] < K16), EVEN)
+    _store(s_ptr + rows[:, None] * s_rs + blks[None, :], sfc.to(tl.uint8),
+           (rows[:, None] < M) & (blks[None, :] < K16), EVEN)
 
 
 @triton.jit
