@@ -529,28 +529,39 @@ def test_fused_single_kernel_mode(monkeypatch, dtype, rht):
 
 
 @triton.jit
-def _sr_probe(y_ptr, c_ptr, NY: tl.constexpr, NU: tl.constexpr):
+def _sr_probe(y_ptr, c_ptr, u_ptr, NY: tl.constexpr, SHIFT: tl.constexpr):
     iy = tl.arange(0, NY)
-    k = tl.arange(0, NU).to(tl.uint32)
-    u = (((k << 7) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0  # (k + 0.5) 2^-16
+    k = tl.arange(0, 256)
+    u = tk._sr_offset(k << SHIFT, SHIFT)  # the draw's byte in lane SHIFT / 8 of a random word
     y = tl.load(y_ptr + iy)
-    c = tk._e2m1_sr_bits(y[:, None], u[None, :])
-    tl.store(c_ptr + iy[:, None] * NU + tl.arange(0, NU)[None, :], c)
+    c = tk._e2m1_sr_fast(y[:, None], u[None, :])
+    tl.store(c_ptr + iy[:, None] * 256 + k[None, :], c)
+    tl.store(u_ptr + k, u)
 
 
-def test_sr_bit_encoder_probabilities_over_all_random_values():
-    """Over all 2^16 values of u, the fraction rounding up is p = (|y| - lo) / step to 2^-16."""
+def test_sr_encoder_probabilities_over_all_random_bytes():
+    """Over all 256 values of a draw's byte (in each lane of the random word), the offset uniform
+    is exactly (k + 1/2)/256 - 1/2 + 2^-16, every code brackets y with y's sign, grid points never
+    move, and the fraction rounding up is p = (|y| - lo) / step to within 2^-9 + 2^-16."""
     g = torch.Generator().manual_seed(8)
-    y = torch.cat([torch.rand(10, generator=g) * 12 - 6, torch.tensor([0.0, -0.0, 6.0, -6.0, 1.0, 0.3])])
-    c = torch.empty(16, 65536, dtype=torch.int32)
-    _sr_probe[(1,)](y, c, NY=16, NU=65536)
-    a, lo, hi = y.abs(), None, None
+    y = torch.cat([torch.rand(16, generator=g) * 12 - 6,
+                   torch.tensor([0.0, -0.0, 6.0, -6.0, 1.0, 0.3, 5.0, -2.75, 9.0, float("-inf")]),
+                   torch.rand(6, generator=g) * 0.5 - 0.25])
+    a = y.abs().clamp(max=6)
     grid = E2M1_VALUES
     lo_i = torch.searchsorted(grid, a, right=True) - 1
     lo, hi = grid[lo_i], grid[(lo_i + 1).clamp(max=7)]
-    vals = decode_e2m1(c.to(torch.uint8))
-    assert bool(((vals.abs() == lo[:, None]) | (vals.abs() == hi[:, None])).all())
-    assert bool(((((c & 8) != 0) == (y < 0)[:, None])).all())
     p = torch.where(hi > lo, (a - lo) / torch.where(hi > lo, hi - lo, torch.ones_like(hi)), torch.zeros_like(a))
-    frac = (vals.abs() == hi[:, None]).double().mean(1) * (hi > lo)
-    assert torch.allclose(frac, p.double(), atol=2**-16 + 1e-9), (frac - p).abs().max()
+    k = torch.arange(256, dtype=torch.float64)
+    for shift in (0, 8, 16, 24):
+        c = torch.empty(y.numel(), 256, dtype=torch.int32)
+        u = torch.empty(256)
+        _sr_probe[(1,)](y, c, u, NY=y.numel(), SHIFT=shift)
+        assert torch.equal(u.double(), (k + 0.5) / 256 - 0.5 + 2**-16)
+        vals = decode_e2m1(c.to(torch.uint8))
+        assert bool(((vals.abs() == lo[:, None]) | (vals.abs() == hi[:, None])).all())
+        assert bool(((((c & 8) != 0) == (y < 0)[:, None])).all())
+        frac = (vals.abs() == hi[:, None]).double().mean(1) * (hi > lo)
+        assert torch.allclose(frac, p.double(), atol=2**-9 + 2**-16 + 1e-9), (frac - p).abs().max()
+        on_grid = a == lo
+        assert bool((frac[on_grid] == 0).all())

@@ -367,9 +367,10 @@ def quantize_fast(
     Round-to-nearest results are bit-identical to :func:`~nvfp4lab.quantize.quantize`
     (packed data, scale bytes, amax). Stochastic rounding uses Philox4x32-7
     (``tl.randint4x``) seeded by two int64 draws from ``generator`` (or the device's default
-    generator), 16 random bits per element: same distribution as the reference (each code
-    is one of the two bracketing grid points, probability of rounding up within 2^-17 of
-    the reference's), not the same bits.
+    generator), one draw per 16-element block, 8 random bits per element as Blackwell's
+    ``cvt.rs`` (TE): the reference's distribution (each code is one of the two bracketing grid
+    points, the probability of rounding up within 2^-9 + 2^-16 of the exact one and unbiased on
+    average), not the same bits.
 
     Non-contiguous inputs work through their strides; a transposed 2-D view (``y.t()`` of a
     contiguous ``y``) takes the columnwise kernel so its loads stay coalesced.

@@ -190,71 +190,80 @@ def _e2m1_rne_fast(y):
 
 
 @triton.jit
-def _e2m1_sr_bits(y, u):
-    """Stochastic E2M1 codes with fewer instructions: add ``u·step`` and truncate (as TE's
-    software emulation ``t = fma(u, step, a)``, then floor to the grid).
+def _e2m1_sr_fast(y, u):
+    """Stochastic E2M1 codes of the scaled values ``y`` (not clamped; |y| > 6 saturates to 6), with
+    ``u`` the offset uniform of :func:`_sr_offset` (same shape).
 
-    ``step`` is the grid spacing of |y|'s binade (0.5 below 2, 1 in [2, 4), 2 from 4). The
-    truncated ``t`` is the upper neighbour iff ``u >= 1 - p`` with ``p = (a - lo) / step``:
-    the same distribution as :func:`_e2m1_sr` (``u < p``). ``u·step`` is exact; ``a + u·step``
-    is exact except when it crosses into the next binade, where an ulp of rounding can move
-    the decision by < 2^-22 of a step (below the 2^-17 resolution of ``u``).
+    In the code domain of :func:`_e2m1_rne_fast`, where the code is linear in the value within a
+    binade, stochastic rounding is ``floor(T(m) + v)`` with v uniform in [0, 1): it rounds up
+    with probability frac(T) = (m - lo) / step. floor is monotone, so it is again the minimum of
+    the three candidates' floors, and ``floor(t + v) = RNE(t + u)`` with ``u = v - 1/2 + 2^-16``
+    (the 2^-16 keeps ties, where RNE would pick the even neighbour, off the draws' grid). Each
+    candidate is one fma (``t + u``) and one magic add (RNE to an integer). A grid value never
+    rounds away (``|u| < 1/2``). The sign is that of ``y < 0``, as :func:`_e2m1_rne_fast`.
+    The two roundings of a candidate move the decision by at most 2^-21 of a step.
     """
-    a = tl.abs(y)
-    b = a.to(tl.int32, bitcast=True)
-    step_n = ((b & 0x7F800000) - 0x00800000).to(tl.float32, bitcast=True)
-    step = tl.where(a < 1.0, 0.5, step_n)
-    t = a + u * step
-    cn = (t.to(tl.int32, bitcast=True) >> 22) - 252
-    cs = (t >= 0.5).to(tl.int32)
-    c = tl.where(t < 1.0, cs, cn)
-    return c | ((y < 0.0).to(tl.int32) << 3)
+    m = tl.minimum(tl.abs(y), 6.0)
+    # magic 1.5 * 2^23: t + u reaches -1/2, and the float32 ulp is 1 only from 2^23 on
+    u1 = tl.fma(m, 2.0, u) + 12582912.0
+    u2 = (m + u) + 12582914.0
+    u3 = tl.fma(m, 0.5, u) + 12582916.0
+    c = tl.minimum(tl.minimum(u1, u2), u3)
+    neg = ((y + 0.0).to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
+    return (c.to(tl.int32, bitcast=True) - 0x4B400000) | (neg << 3)
 
 
 @triton.jit
-def _e2m1_sr(y, u):
-    """Stochastic E2M1 codes of ``y`` clamped to [-6, 6], ``u`` uniform in (0, 1).
+def _sr_offset(word, shift: tl.constexpr):
+    """Byte ``(word >> shift) & 0xFF`` of a random int32 word -> the offset uniform
+    ``u = (k + 1/2) / 256 - 1/2 + 2^-16`` of :func:`_e2m1_sr_fast` (exact float32).
 
-    Same decision as ``nvfp4lab.rounding._sr_codes``: between grid neighbours lo <= a < hi,
-    round up iff ``u < (a - lo) / (hi - lo)`` (exact in fp32: the gap is a power of two).
+    The byte goes into bits 8..15 of the float32 ``1 + (k + 1/2)·2^-15 + 2^-23``
+    (bits 0x3F800081), and one exact fma makes ``f·128 - 128.5``. 8 random bits per element, as
+    Blackwell's ``cvt.rs.satfinite.e2m1x4.f32`` (TE): each rounding probability is within
+    2^-9 + 2^-16 of (m - lo) / step, and its average over values is unbiased.
     """
-    a = tl.abs(y)
-    lo_i = ((a >= 0.5).to(tl.int32) + (a >= 1.0).to(tl.int32) + (a >= 1.5).to(tl.int32)
-            + (a >= 2.0).to(tl.int32) + (a >= 3.0).to(tl.int32) + (a >= 4.0).to(tl.int32)
-            + (a >= 6.0).to(tl.int32))
-    # grid value of lo_i and the gap to the next point: 0.5 steps below 2, 1 below 4, 2 above
-    lo = tl.where(lo_i < 4, lo_i.to(tl.float32) * 0.5,
-                  tl.where(lo_i < 6, (lo_i - 2).to(tl.float32), 4.0 + (lo_i - 6).to(tl.float32) * 2.0))
-    inv_gap = tl.where(lo_i < 4, 2.0, tl.where(lo_i < 6, 1.0, 0.5))
-    p_up = tl.where(lo_i < 7, (a - lo) * inv_gap, 0.0)
-    c = lo_i + (u < p_up).to(tl.int32)
-    return c | ((y < 0.0).to(tl.int32) << 3)
+    w = word.to(tl.uint32, bitcast=True)
+    if shift >= 8:
+        b = (w >> (shift - 8)) & 0xFF00
+    else:
+        b = (w << 8) & 0xFF00
+    f = (b | 0x3F800081).to(tl.float32, bitcast=True)
+    return tl.fma(f, 128.0, -128.5)
 
 
 @triton.jit
-def _uniform8(seed, counter):
-    """8 uniform (0,1) floats per counter from one Philox4x32 draw (PHILOX_ROUNDS): 16 bits each.
+def _sr_words(seed, counter):
+    """The four random int32 words of one 16-element block: Philox4x32 (PHILOX_ROUNDS) at
+    ``counter`` (a tensor; one counter per block), keyed by ``seed``."""
+    return tl.randint4x(seed, counter, PHILOX_ROUNDS)
 
-    ``counter`` [R, C8] int64 -> [R, C8, 8] float32, value (k + 0.5) * 2^-16, k in 0..65535.
-    The 16-bit resolution biases each rounding probability by at most 2^-17.
-    """
-    r0, r1, r2, r3 = tl.randint4x(seed, counter, PHILOX_ROUNDS)
-    j = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [R, C8, 2, 2]
-    j = j.to(tl.uint32, bitcast=True)
-    # 16-bit k -> float32 1 + (k + 0.5) 2^-16 built from bits (no int->float conversion), minus 1
-    f = tl.join(((j << 7) & 0x7FFF80) | 0x3F800040, ((j >> 9) & 0x7FFF80) | 0x3F800040)
+
+@triton.jit
+def _sr_block_uniforms(seed, counter):
+    """Offset uniforms for whole 16-element blocks in element order: ``counter`` [R, NB] ->
+    [R, NB * 16]. Element i of a block takes byte (i % 8) // 2 of word (i // 8)·2 + i % 2 of the
+    block's draw (:func:`_sr_words`): the mapping under which the rowwise kernel's four
+    [even, odd] x [first, second half] quarters of a block each take one whole word."""
+    r0, r1, r2, r3 = _sr_words(seed, counter)
+    w = tl.join(tl.join(r0, r1), tl.join(r2, r3))  # [R, NB, p, h] = word 2h + p
     R: tl.constexpr = counter.shape[0]
-    C8: tl.constexpr = counter.shape[1]
-    f = tl.reshape(f, (R, C8, 8))
-    return f.to(tl.float32, bitcast=True) - 1.0
+    NB: tl.constexpr = counter.shape[1]
+    w = tl.broadcast_to(w[:, :, :, :, None], (R, NB, 2, 2, 4))
+    sh = (tl.arange(0, 4) * 8)[None, None, None, None, :]
+    bytes_ = (w.to(tl.uint32, bitcast=True) >> sh) & 0xFF  # [R, NB, p, h, b]
+    f = ((bytes_ << 8) | 0x3F800081).to(tl.float32, bitcast=True)
+    u = tl.fma(f, 128.0, -128.5)
+    return tl.reshape(tl.permute(u, (0, 1, 3, 4, 2)), (R, NB * 16))  # element h*8 + b*2 + p
 
 
 @triton.jit
-def _uniform16(seed, counter):
-    """:func:`_uniform8` flattened: ``counter`` [R, C8] -> [R, C8 * 8] (element j of a row uses counter j // 8)."""
-    R: tl.constexpr = counter.shape[0]
-    C8: tl.constexpr = counter.shape[1]
-    return tl.reshape(_uniform8(seed, counter), (R, C8 * 8))
+def _sr_word_offsets(word):
+    """Offset uniforms of the four bytes of each random word: [R, NB] -> [R, NB, 4] (byte b of
+    the word in lane b; as :func:`_sr_offset`)."""
+    sh = (tl.arange(0, 4) * 8)[None, None, :]
+    b = (word.to(tl.uint32, bitcast=True)[:, :, None] >> sh) & 0xFF
+    return tl.fma(((b << 8) | 0x3F800081).to(tl.float32, bitcast=True), 128.0, -128.5)
 
 
 @triton.jit
@@ -275,7 +284,7 @@ def _encode_1d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
     y = v3 * enc[:, :, None]
     if SR:
-        codes = _e2m1_sr_bits(_clamp6(y), tl.reshape(u, (R, C // 16, 16)))
+        codes = _e2m1_sr_fast(y, tl.reshape(u, (R, C // 16, 16)))
     elif E2M1_BITS:
         codes = _e2m1_rne_fast(y)
     else:
@@ -294,7 +303,7 @@ def _encode_2d(v, s_dec, mult, u, R: tl.constexpr, C: tl.constexpr, SR: tl.const
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)
     y = v4 * enc[:, None, :, None]
     if SR:
-        codes = _e2m1_sr_bits(_clamp6(y), tl.reshape(u, (R // 16, 16, C // 16, 16)))
+        codes = _e2m1_sr_fast(y, tl.reshape(u, (R // 16, 16, C // 16, 16)))
     elif E2M1_BITS:
         codes = _e2m1_rne_fast(y)
     else:
@@ -375,8 +384,9 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     COL: xᵀ along M -> data dt [K, ceil(M/2)], scales st [K or ceil(K/16), ceil(M/16)],
     amax at amaxt_ptr; with COL_RHT the RHT runs along M. With BLOCK2D the columnwise output is
     the transpose of the rowwise one (same tiles, same amax), as ``quantize(x.t(), block="2d")``.
-    SR random streams: seed[0] for the rowwise output, seed[1] for the columnwise one; the
-    Philox counter is (element index in the output) / 8.
+    SR random streams: seed[0] for the rowwise output, seed[1] for the columnwise one; one
+    Philox draw per 1x16 block of the output, at counter (output row) * (blocks per row) + block
+    (:func:`_sr_block_uniforms`).
     """
     pm, pk = _tile_index(M, K, BM, BK, REVERSE)
     x, rows, cols = _load_tile(x_ptr, M, K, sxm, sxk, pm, pk, BM, BK, EVEN, I64)
@@ -392,8 +402,7 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         u = 0.0
         if SR:
             seed = tl.load(seed_ptr)
-            cnt = rows[:, None] * (K16 * 2) + (pk * (BK // 8) + tl.arange(0, BK // 8))[None, :]
-            u = _uniform16(seed, cnt)
+            u = _sr_block_uniforms(seed, rows[:, None] * K16 + (pk * (BK // 16) + tl.arange(0, BK // 16))[None, :])
         if BLOCK2D:
             codes, sfc = _encode_2d(v, s_dec, mult, u, BM, BK, SR, E2M1_BITS)
         else:
@@ -426,8 +435,7 @@ def quantize_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         ut = 0.0
         if SR:
             seed_t = tl.load(seed_ptr + 1)
-            cnt_t = cols[:, None] * (M16 * 2) + (pm * (BM // 8) + tl.arange(0, BM // 8))[None, :]
-            ut = _uniform16(seed_t, cnt_t)
+            ut = _sr_block_uniforms(seed_t, cols[:, None] * M16 + (pm * (BM // 16) + tl.arange(0, BM // 16))[None, :])
         codes_t, sfc_t = _encode_1d(vt, s_dec_t, mult_t, ut, BK, BM, SR, E2M1_BITS)
         hrows = pm * (BM // 2) + tl.arange(0, BM // 2)
         _store(dt_ptr + cols[:, None] * dt_rs + hrows[None, :], _pack(codes_t, BK, BM),
@@ -538,15 +546,6 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
 
 
 @triton.jit
-def _uniform_from_bits(r):
-    """uint32/int32 random word -> two uniforms (low and high 16 bits), (k + 0.5) * 2^-16."""
-    w = r.to(tl.uint32, bitcast=True)
-    lo = (((w << 7) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
-    hi = (((w >> 9) & 0x7FFF80) | 0x3F800040).to(tl.float32, bitcast=True) - 1.0
-    return lo, hi
-
-
-@triton.jit
 def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                            d_ptr, s_ptr, dt32_ptr, st_ptr, v_ptr, vt_ptr,
                            d_rs, s_rs, dt32_rs, st_rs, v_rs, vt_rs, inv6,
@@ -610,8 +609,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             for i in tl.static_range(16):
                 u = 0.0
                 if SR:
-                    cnt = (g + i)[:, None] * (K16 * 2) + (pk * (BK // 8) + tl.arange(0, BK // 8))[None, :]
-                    u = _uniform16(seed, cnt)
+                    u = _sr_block_uniforms(seed, (g + i)[:, None] * K16 + (pk * (BK // 16) + tl.arange(0, BK // 16))[None, :])
                 codes, sfc = _encode_1d(xs[i], s_dec, mult, u, G, BK, SR, E2M1_BITS)
                 _store(d_ptr + (g + i)[:, None] * d_rs + hcols[None, :], _pack(codes, G, BK),
                        ((g + i)[:, None] < M) & (hcols[None, :] < (K + 1) // 2), EVEN)
@@ -635,19 +633,10 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         _store(st_ptr + cols[None, :] * st_rs + gi[:, None], sfc.to(tl.uint8), wmask, EVEN)
         if SR:
             seed_t = tl.load(seed_ptr + 1)
-            cnt0 = cols[None, :] * (M16 * 2) + (gi * 2)[:, None]
-            a0, a1, a2, a3 = tl.randint4x(seed_t, cnt0, PHILOX_ROUNDS)
-            b0, b1, b2, b3 = tl.randint4x(seed_t, cnt0 + 1, PHILOX_ROUNDS)
-            u0, u1 = _uniform_from_bits(a0)
-            u2, u3 = _uniform_from_bits(a1)
-            u4, u5 = _uniform_from_bits(a2)
-            u6, u7 = _uniform_from_bits(a3)
-            u8, u9 = _uniform_from_bits(b0)
-            u10, u11 = _uniform_from_bits(b1)
-            u12, u13 = _uniform_from_bits(b2)
-            u14, u15 = _uniform_from_bits(b3)
-            us = [u0, u1, u2, u3, u4, u5, u6, u7, u8, u9, u10, u11, u12, u13, u14, u15]
-            ccodes = [_e2m1_sr_bits(_clamp6(ys[i] * enc), us[i])
+            r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
+            us = [_sr_offset(r[(i // 8) * 2 + i % 2], ((i % 8) // 2) * 8)
+                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         else:
             ccodes = [_e2m1_rne_fast(ys[i] * enc)
@@ -782,8 +771,8 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     floats and split. The block amax, the E4M3 scale and its reciprocal are computed once per
     block with no shuffle; the 16 codes pack into two int32 words stored as one 8-byte vector to
     ``d32`` (the packed codes viewed as int32 [M, K/8]). Same numerics as :func:`quantize_kernel`
-    (ROW, no RHT); SR uses the same Philox counters (row * 2*K16 + element // 8), so it draws
-    the same stream. With VALUES it also writes the BF16 block values ``code × scale`` (exact)
+    (ROW, no RHT); SR uses the same Philox counters (row * K16 + block) and byte mapping
+    (:func:`_sr_block_uniforms`), so it draws the same stream. With VALUES it also writes the BF16 block values ``code × scale`` (exact)
     to ``v32`` (the BF16 [M, K] output viewed as int32 [M, K/2]), the operand the emulated GEMM
     multiplies, saving a separate decode pass.
     """
@@ -832,13 +821,11 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)[:, :, None]
     if SR:
         seed = tl.load(seed_ptr)
-        cnt = rows[:, None] * (K16 * 2) + (blks * 2)[None, :]
-        u0, u1 = tl.split(tl.reshape(_uniform8(seed, cnt), (BM, NB, 4, 2)))
-        u2, u3 = tl.split(tl.reshape(_uniform8(seed, cnt + 1), (BM, NB, 4, 2)))
-        c0 = _e2m1_sr_bits(_clamp6(a0 * enc), u0)
-        c1 = _e2m1_sr_bits(_clamp6(a1 * enc), u1)
-        c2 = _e2m1_sr_bits(_clamp6(a2 * enc), u2)
-        c3 = _e2m1_sr_bits(_clamp6(a3 * enc), u3)
+        r0, r1, r2, r3 = _sr_words(seed, rows[:, None] * K16 + blks[None, :])  # one draw per block
+        c0 = _e2m1_sr_fast(a0 * enc, _sr_word_offsets(r0))
+        c1 = _e2m1_sr_fast(a1 * enc, _sr_word_offsets(r1))
+        c2 = _e2m1_sr_fast(a2 * enc, _sr_word_offsets(r2))
+        c3 = _e2m1_sr_fast(a3 * enc, _sr_word_offsets(r3))
     else:
         c0 = _e2m1_rne_fast(a0 * enc)
         c1 = _e2m1_rne_fast(a1 * enc)
