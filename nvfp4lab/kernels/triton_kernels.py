@@ -33,10 +33,16 @@ bit-identical for fp32 inputs (about half the elements differ by an ulp).
 
 from __future__ import annotations
 
+import os
+
 import triton
 import triton.language as tl
 
 FLT_MAX = tl.constexpr(3.4028234663852886e38)  # largest finite float32
+#: Compiled for the GPU (not Triton's interpreter): float32 -> BF16 rounding may use the hardware
+#: conversion (``cvt.rn.bf16x2.f32``, two values per instruction), which rounds to nearest even
+#: exactly; the interpreter's conversions do not, so there the integer rounding runs instead.
+HW_CVT = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") in ("", "0"))
 #: Philox4x32 rounds for stochastic rounding (Random123's Philox4x32-7 passes BigCrush; 10 is
 #: the conventional safety margin and Triton's default).
 PHILOX_ROUNDS = tl.constexpr(7)
@@ -112,8 +118,14 @@ def _e4m3_decode(code):
 def _round_bf16(v):
     """Round float32 to the nearest BF16 value (ties to even), returned as float32.
 
-    NaN gives torch's BF16 NaN (0x7FC0): the integer rounding would carry a NaN with an
-    all-ones significand (0x7FFFFFFF, the GPU's canonical NaN) into the sign bit (-0.0)."""
+    On the GPU (:data:`HW_CVT`) the hardware conversion (NaN stays a NaN); in the interpreter the
+    integer rounding ``(bits + 0x7FFF + lsb) & 0xFFFF0000``, where NaN gives torch's BF16 NaN
+    (0x7FC0): the integer rounding would carry a NaN with an all-ones significand (0x7FFFFFFF,
+    the GPU's canonical NaN) into the sign bit (-0.0)."""
+    if HW_CVT:  # two values per cvt.rn.bf16x2.f32, widened back by a shift and a mask
+        return tl.inline_asm_elementwise(
+            "{ .reg .b32 t; cvt.rn.bf16x2.f32 t, $3, $2; shl.b32 $0, t, 16; and.b32 $1, t, 0xFFFF0000; }",
+            "=r,=r,r,r", [v], dtype=tl.int32, is_pure=True, pack=2).to(tl.float32, bitcast=True)
     b = v.to(tl.uint32, bitcast=True)
     r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
     r = tl.where(v != v, 0x7FC00000, r)
