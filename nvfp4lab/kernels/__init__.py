@@ -23,10 +23,13 @@ Kernel families (``triton_kernels.py``): a tile kernel for any layout; a one-blo
 kernel for rowwise 1×16 blocks (each thread holds its 16 elements, so block amax, scale and
 packing need no shuffle); a 16-slice kernel for columnwise blocks and 16×16 tiles (a columnwise
 block is the same column of 16 row slices, so the RHT butterfly is element-wise between slices).
-Performance is recorded in ``results/bench_nvidia_h200.json`` (``nvfp4lab bench``): the kernels
-are bound by instruction issue (about twenty instructions per element for the E4M3/E2M1 rounding
-and packing, more with SR's Philox draws and the RHT's FP64 butterfly), not by memory; and one
-Python call launches two or three kernels, so capture small steps in CUDA graphs.
+Performance is recorded in ``results/bench_nvidia_h200.json`` (``nvfp4lab bench``). The work per
+element is what bounds the kernels on Hopper, whose integer pipe issues at half the FP32 rate: the
+E2M1 code is computed with FP32 operations (the minimum of three exact candidates, see
+``triton_kernels._e2m1_rne_fast``), SR takes one Philox draw per block (8 random bits per element),
+BF16 rounding uses the hardware conversion; the rowwise RNE kernel executes about twenty SASS
+instructions per element, SR and the RHT's exact FP64 butterfly add to that. One Python call
+launches two or three kernels, so capture small steps in CUDA graphs.
 
 Where the kernels run: CUDA tensors when Triton is installed; CPU tensors only in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before this package is first used), which the CPU

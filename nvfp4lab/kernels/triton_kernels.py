@@ -14,11 +14,16 @@ fp32->fp8):
   the ``(s + 2^14) - 2^14`` trick (subnormal range, quantum 2^-9); the input is clamped
   to ``[0, 448]`` first, so no saturation logic is needed. ``float(sf)`` is the rounded
   float32 value itself.
-* BF16 rounding of RHT outputs: ``(bits + 0x7FFF + lsb) & 0xFFFF0000``.
+* BF16 rounding of RHT outputs: the hardware ``cvt.rn.bf16x2.f32`` on the GPU and
+  ``(bits + 0x7FFF + lsb) & 0xFFFF0000`` in the interpreter (:data:`HW_CVT`).
+* E2M1 codes: the minimum of three candidates, each one exact float32 operation
+  (:func:`_e2m1_rne_fast`, :func:`_e2m1_sr_fast`): float32 arithmetic, not the half-rate integer
+  pipe, does most of the work.
 * Reciprocals and the global scale use ``tl.math.div_rn`` (IEEE division); Triton's ``/``
   on float32 lowers to the approximate ``div.full.f32``.
 * Kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted
-  into an FMA (none of the sequences here has one, but this keeps it so).
+  into an FMA; the few fused multiply-adds are explicit ``tl.fma`` whose product is exact (a
+  power of two), so the interpreter's multiply-then-add gives the same bits.
 
 The random Hadamard transform is a 16-point fast Walsh-Hadamard butterfly (4 stages of
 add/sub, via reshape/split/join/permute), not a matmul. With ``RHT_F64`` (the default for
