@@ -231,22 +231,23 @@ def _e2m1_sr_fast(y, u):
 
 
 @triton.jit
-def _sr_offset(word, shift: tl.constexpr):
-    """Byte ``(word >> shift) & 0xFF`` of a random int32 word -> the offset uniform
-    ``u = (k + 1/2) / 256 - 1/2 + 2^-16`` of :func:`_e2m1_sr_fast` (exact float32).
+def _sr_offset(byte):
+    """A random byte ``k`` (uint32, 0..255) -> the offset uniform ``u = (k + 1/2) / 256 - 1/2 +
+    2^-16`` of :func:`_e2m1_sr_fast` (exact float32).
 
     The byte goes into bits 8..15 of the float32 ``1 + (k + 1/2)·2^-15 + 2^-23``
     (bits 0x3F800081), and one exact fma makes ``f·128 - 128.5``. 8 random bits per element, as
     Blackwell's ``cvt.rs.satfinite.e2m1x4.f32`` (TE): each rounding probability is within
     2^-9 + 2^-16 of (m - lo) / step, and its average over values is unbiased.
     """
-    w = word.to(tl.uint32, bitcast=True)
-    if shift >= 8:
-        b = (w >> (shift - 8)) & 0xFF00
-    else:
-        b = (w << 8) & 0xFF00
-    f = (b | 0x3F800081).to(tl.float32, bitcast=True)
+    f = ((byte << 8) | 0x3F800081).to(tl.float32, bitcast=True)
     return tl.fma(f, 128.0, -128.5)
+
+
+@triton.jit
+def _sr_byte(word, b: tl.constexpr):
+    """Byte ``b`` (0..3, a constant) of random int32 words, as uint32."""
+    return (word.to(tl.uint32, bitcast=True) >> (8 * b)) & 0xFF
 
 
 @triton.jit
@@ -268,9 +269,7 @@ def _sr_block_uniforms(seed, counter):
     NB: tl.constexpr = counter.shape[1]
     w = tl.broadcast_to(w[:, :, :, :, None], (R, NB, 2, 2, 4))
     sh = (tl.arange(0, 4) * 8)[None, None, None, None, :]
-    bytes_ = (w.to(tl.uint32, bitcast=True) >> sh) & 0xFF  # [R, NB, p, h, b]
-    f = ((bytes_ << 8) | 0x3F800081).to(tl.float32, bitcast=True)
-    u = tl.fma(f, 128.0, -128.5)
+    u = _sr_offset((w.to(tl.uint32, bitcast=True) >> sh) & 0xFF)  # [R, NB, p, h, b]
     return tl.reshape(tl.permute(u, (0, 1, 3, 4, 2)), (R, NB * 16))  # element h*8 + b*2 + p
 
 
@@ -279,8 +278,7 @@ def _sr_word_offsets(word):
     """Offset uniforms of the four bytes of each random word: [R, NB] -> [R, NB, 4] (byte b of
     the word in lane b; as :func:`_sr_offset`)."""
     sh = (tl.arange(0, 4) * 8)[None, None, :]
-    b = (word.to(tl.uint32, bitcast=True)[:, :, None] >> sh) & 0xFF
-    return tl.fma(((b << 8) | 0x3F800081).to(tl.float32, bitcast=True), 128.0, -128.5)
+    return _sr_offset((word.to(tl.uint32, bitcast=True)[:, :, None] >> sh) & 0xFF)
 
 
 @triton.jit
@@ -651,7 +649,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         if SR:
             seed_t = tl.load(seed_ptr + 1)
             r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
-            us = [_sr_offset(r[(i // 8) * 2 + i % 2], ((i % 8) // 2) * 8)
+            us = [_sr_offset(_sr_byte(r[(i // 8) * 2 + i % 2], (i % 8) // 2))
                   for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
