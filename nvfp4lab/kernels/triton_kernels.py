@@ -182,6 +182,14 @@ def _e2m1_rne(y):
 
 
 @triton.jit
+def _sign_bit3(y):
+    """The E2M1 sign bit (8) where ``y < 0``, else 0 (int32): ``y + 0.0`` turns -0.0 into +0.0 and
+    keeps every other value, so -0.0 gets no sign (TE's reference) and a negative value that
+    rounds to zero keeps it."""
+    return (((y + 0.0).to(tl.uint32, bitcast=True) >> 31) << 3).to(tl.int32)
+
+
+@triton.jit
 def _e2m1_rne_fast(y):
     """E2M1 codes (int32) of the scaled values ``y`` (not clamped; |y| > 6 saturates to 6): the
     codes of :func:`_e2m1_rne` (TE's thresholds) from floating-point operations.
@@ -202,8 +210,7 @@ def _e2m1_rne_fast(y):
     """
     m = tl.minimum(tl.abs(y), 6.0)
     u = tl.minimum(tl.minimum(tl.fma(m, 2.0, 8388608.0), m + 8388610.0), tl.fma(m, 0.5, 8388612.0))
-    neg = ((y + 0.0).to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
-    return (u.to(tl.int32, bitcast=True) - 0x4B000000) | (neg << 3)
+    return (u.to(tl.int32, bitcast=True) - 0x4B000000) | _sign_bit3(y)
 
 
 @triton.jit
@@ -226,8 +233,7 @@ def _e2m1_sr_fast(y, u):
     u2 = (m + u) + 12582914.0
     u3 = tl.fma(m, 0.5, u) + 12582916.0
     c = tl.minimum(tl.minimum(u1, u2), u3)
-    neg = ((y + 0.0).to(tl.uint32, bitcast=True) >> 31).to(tl.int32)
-    return (c.to(tl.int32, bitcast=True) - 0x4B400000) | (neg << 3)
+    return (c.to(tl.int32, bitcast=True) - 0x4B400000) | _sign_bit3(y)
 
 
 @triton.jit
