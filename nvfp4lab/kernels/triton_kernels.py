@@ -861,7 +861,7 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     words = tl.join(tl.sum((c0 << sh) | (c1 << (sh + 4)), axis=2),
                     tl.sum((c2 << sh) | (c3 << (sh + 4)), axis=2))  # [BM, NB, 2]: the block's 8 bytes
     wptrs = d32_ptr + rows[:, None, None] * d32_rs + (blks * 2)[None, :, None] + tl.arange(0, 2)[None, None, :]
-    _store(wptrs, words, (rows[:, None, None] < M) & (blks[None, :, None] < K16), EVEN)
+    _store(wptrs, words, m3, EVEN)
     _store(s_ptr + rows[:, None] * s_rs + blks[None, :], sfc.to(tl.uint8),
            (rows[:, None] < M) & (blks[None, :] < K16), EVEN)
 
