@@ -203,10 +203,9 @@ def _e2m1_rne_fast(y):
     interpreter (multiply, then add) gives the same bits. The minimum's float32 bits are
     0x4B000000 + code. (Checked against the thresholds on every float32 in [0, 6].)
 
-    The sign is that of ``y < 0``, as TE's reference: ``y + 0.0`` turns -0.0 into +0.0 (and
-    keeps every other value), so -0.0 gets code 0 and a negative value that rounds to zero
-    gets code 8. Mostly floating-point operations: the integer pipe, which issues at half the
-    float32 rate on Hopper, was what bounded the kernels. NaN gives an unspecified code.
+    The sign is that of ``y < 0``, as TE's reference (:func:`_sign_bit3`). Mostly floating-point
+    operations: the integer pipe, which issues at half the float32 rate on Hopper, was what
+    bounded the kernels. NaN gives an unspecified code.
     """
     m = tl.minimum(tl.abs(y), 6.0)
     u = tl.minimum(tl.minimum(tl.fma(m, 2.0, 8388608.0), m + 8388610.0), tl.fma(m, 0.5, 8388612.0))
@@ -224,7 +223,7 @@ def _e2m1_sr_fast(y, u):
     the three candidates' floors, and ``floor(t + v) = RNE(t + u)`` with ``u = v - 1/2 + 2^-16``
     (the 2^-16 keeps ties, where RNE would pick the even neighbour, off the draws' grid). Each
     candidate is one fma (``t + u``) and one magic add (RNE to an integer). A grid value never
-    rounds away (``|u| < 1/2``). The sign is that of ``y < 0``, as :func:`_e2m1_rne_fast`.
+    rounds away (``|u| < 1/2``). The sign is that of ``y < 0`` (:func:`_sign_bit3`).
     The two roundings of a candidate move the decision by at most 2^-21 of a step.
     """
     m = tl.minimum(tl.abs(y), 6.0)
