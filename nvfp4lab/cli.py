@@ -19,14 +19,18 @@ Built in here:
 * ``nvfp4lab train --precision {bf16,fp32,fp8,nvfp4} [recipe options] --preset ... --steps ... --out DIR``
 * ``nvfp4lab compare --variants bf16,fp8,nvfp4,nvfp4-no-rht,... [same options] --out DIR``
 
-Exit codes: 0 success, 2 bad arguments (argparse) or invalid configuration, 3 a run stopped on
-a non-finite loss or gradient.
+Exit codes: 0 success, 2 bad arguments (argparse) or invalid configuration, with one line
+``nvfp4lab <cmd>: error: ...`` on stderr (a missing or corrupt checkpoint, an unavailable device,
+Transformer Engine missing ...), 3 a run stopped on a non-finite loss or gradient, 141 the reader
+of the output went away (``nvfp4lab probe --json | head``: the output ends quietly, as a shell
+reports a process ended by SIGPIPE). Unexpected exceptions keep their traceback.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from typing import Any, Callable, Sequence
 
@@ -172,7 +176,8 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         eval_batches=args.eval_batches, log_interval=args.log_interval,
         checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
         device=_resolve_device(args.device), threads=args.threads, cuda_graph=args.cuda_graph,
-        progress=args.progress, plot=args.plot,
+        progress=args.progress if args.progress is not None else (None if sys.stderr.isatty() else "lines"),
+        plot=args.plot, extend_schedule=getattr(args, "extend_schedule", False),
         out=getattr(args, "out", None), resume=getattr(args, "resume", None),
         name=getattr(args, "name", None),
     )
@@ -180,8 +185,11 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
 
 def _print_run(r) -> None:
     loss = f"{r.final_val_loss:.4f}" if r.final_val_loss is not None else "n/a"
+    took = f"{r.wall_time_s:.1f} s"
+    if r.resumed_from_step is not None:
+        took += f" (this session, resumed at step {r.resumed_from_step}; {r.total_wall_time_s:.1f} s in total)"
     print(f"{r.name}: {r.status}, {r.steps_completed} steps, final val loss {loss} nats/byte, "
-          f"{r.tokens_per_s:,.0f} tokens/s, {r.wall_time_s:.1f} s")
+          f"{r.tokens_per_s:,.0f} tokens/s, {took}")
     print(f"  layers: {r.layers}")
     print(f"  results:    {r.out_dir}/run.json")
     print(f"  metrics:    {r.metrics_path}")
@@ -251,6 +259,9 @@ def _register_train(subparsers) -> None:
     p.add_argument("--out", metavar="DIR", help="run folder (default runs/<name>)")
     p.add_argument("--name", help="run name (default: the precision)")
     p.add_argument("--resume", metavar="CKPT", help="checkpoint file or run folder to continue from")
+    p.add_argument("--extend-schedule", action="store_true",
+                   help="with --resume and a larger --steps: stretch the learning-rate schedule over the new "
+                        "--steps (default: keep the checkpoint's schedule; the LR stays at its final value past it)")
     _add_common_options(p)
     p.set_defaults(func=_cmd_train)
 
@@ -287,7 +298,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``nvfp4lab`` / ``python -m nvfp4lab``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
-    return int(args.func(args) or 0)
+    try:
+        code = int(args.func(args) or 0)
+        sys.stdout.flush()
+    except BrokenPipeError:
+        # The reader went away (`nvfp4lab probe --json | head`). Point stdout at devnull so that
+        # Python's flush at exit does not raise again (Python docs, "Note on SIGPIPE").
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 141
+    return code
 
 
 if __name__ == "__main__":  # pragma: no cover

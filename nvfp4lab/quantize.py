@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -45,7 +46,6 @@ from .formats import (
     E2M1_MAX,
     E4M3_MAX,
     FLT_MAX,
-    _check_no_nan,
     _rne_codes,
     check_float_tensor,
     decode_e2m1,
@@ -278,6 +278,28 @@ def _validate_amax(amax, device) -> torch.Tensor:
     return a
 
 
+def _check_input_values(x2: torch.Tensor) -> None:
+    """Raise on NaN and warn on ±Inf in ``x2``, from one min/max reduction and one host read.
+
+    ``torch.aminmax`` propagates NaN, so the reduction is NaN exactly when ``x2`` holds one;
+    with no NaN, an infinite extreme means ±Inf is present.
+    """
+    lo, hi = torch.aminmax(x2)
+    lo, hi = float(lo), float(hi)
+    if math.isnan(lo) or math.isnan(hi):
+        raise ValueError(
+            "quantize input contains NaN; NVFP4 has no NaN encoding and TE's reference would "
+            "silently turn it into code 0 (TE reference_nvfp4.py::cast_to_fp4x2)"
+        )
+    if math.isinf(lo) or math.isinf(hi):
+        warnings.warn(
+            "quantize input contains ±Inf: the per-tensor amax is inf, so the global encode scale "
+            "falls back to 1; the Inf's block decodes to 0 except the Inf itself (±2688) and the "
+            "tensor loses its per-tensor range (TE's reference does the same). Pass amax= or remove the Inf.",
+            RuntimeWarning, stacklevel=3,
+        )
+
+
 def quantize(
     x: torch.Tensor,
     *,
@@ -325,6 +347,18 @@ def quantize(
             ``block="2d"`` on a 1-D tensor, an unknown ``block`` / ``rounding``,
             ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax``.
 
+    Warns:
+        RuntimeWarning: ``x`` holds ±Inf (once per calling line, Python's default filter).
+            The numerics are kept as TE's reference computes them: the per-tensor amax is
+            ``inf``, so the global encode scale falls back to 1 (TE
+            ``compute_global_encode_scaling_factor_FP4``; see :func:`global_encode_scale`)
+            and every block is scaled by its E4M3 block scale alone. The block holding the
+            Inf saturates to scale 448: the Inf comes back as ±2688 (= 6·448) and every other
+            element of that block as 0 (``[1.0, inf, 0]`` -> ``[0, 2688, 0]``); blocks whose
+            amax is below 6·2⁻⁶ get subnormal E4M3 scales and lose precision. One Inf thus
+            zeroes its block and removes the per-tensor range from the whole tensor. Pass
+            ``amax=`` to bound the range, or remove the Inf.
+
     Exact ``-0.0`` is encoded as code 0 (+0), as TE's reference does (the hardware
     may give code 8). Source: TE
     ``custom_recipes/reference_nvfp4.py``.
@@ -350,7 +384,7 @@ def quantize(
     x2 = x.reshape(M, K)
     device = x.device
     if x2.numel():
-        _check_no_nan(x2, "quantize input")
+        _check_input_values(x2)
     if x.is_cuda and x2.numel():
         # Fast path: Triton kernels, bit-identical for RNE (nvfp4lab.kernels); None if n/a.
         from . import kernels

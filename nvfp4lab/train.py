@@ -21,14 +21,18 @@ What each precision means here (all on any device; nothing needs a GPU):
 Training loop: AdamW (decoupled weight decay on matrices only), linear warmup then cosine decay
 to ``min_lr_frac * lr``, gradient-norm clipping, periodic validation on a fixed set of windows,
 tokens/s and peak memory (CUDA: ``max_memory_allocated``; CPU: peak resident set size of the
-process sampled every step), metrics as JSONL, a loss-curve PNG, and a tqdm progress bar that
-is silent when stderr is not a terminal.
+process sampled every step), metrics as JSONL, a loss-curve PNG, and a tqdm progress bar on a
+terminal (``progress="lines"``: plain start and progress lines for logs, as the CLI prints when
+stderr is not a terminal).
 
 Safety: a non-finite loss or gradient norm raises :class:`NonFiniteError` naming the step (the
 last checkpoint, written before, is kept), or with ``on_nonfinite="skip"`` the update is skipped
 and counted. Checkpoints hold only precision-agnostic FP32 state (model, AdamW, step, the
 torch / data / SR generator states, the config as plain data), are written atomically
-(temporary file + ``os.replace``) and load with ``torch.load(weights_only=True)``. Resuming on
+(temporary file + ``os.replace``; the one before is kept as ``checkpoint.prev.pt``) and load with
+``torch.load(weights_only=True)``; a damaged one raises :class:`CheckpointError` naming the file
+and the previous good one. A resumed run keeps its learning-rate schedule unless
+``extend_schedule`` is set. Resuming on
 CPU with the same config continues bit-identically; resuming in another precision works because
 the quantized layers share ``nn.Linear``'s parameters and state-dict keys.
 """
@@ -61,10 +65,12 @@ from .recipe import NVFP4Recipe
 __all__ = [
     "TrainConfig", "RunResult", "CompareResult", "NonFiniteError", "train", "compare",
     "TRAIN_PRESETS", "VARIANTS", "save_checkpoint", "load_checkpoint", "lr_at",
-    "environment_info", "plot_metrics", "CHECKPOINT_NAME",
+    "environment_info", "plot_metrics", "CHECKPOINT_NAME", "PREVIOUS_CHECKPOINT_NAME", "CheckpointError",
 ]
 
 CHECKPOINT_NAME = "checkpoint.pt"
+#: The checkpoint before the latest one, kept beside it (see :func:`save_checkpoint`).
+PREVIOUS_CHECKPOINT_NAME = "checkpoint.prev.pt"  # = _previous_path(Path(CHECKPOINT_NAME)).name
 CHECKPOINT_FORMAT = 1
 
 #: Optimisation defaults per preset (the model shape comes from :data:`nvfp4lab.model.PRESETS`).
@@ -107,6 +113,18 @@ class NonFiniteError(RuntimeError):
         self.step, self.what, self.checkpoint, self.result = step, what, checkpoint, result
 
 
+class CheckpointError(ValueError):
+    """A checkpoint file that cannot be resumed from: empty, truncated, corrupt or not a checkpoint.
+
+    The message is one line naming the file, what is wrong with it, and the previous good
+    checkpoint beside it when there is one (``previous`` holds its path, or None).
+    """
+
+    def __init__(self, message: str, *, path: str, previous: str | None = None) -> None:
+        super().__init__(message)
+        self.path, self.previous = path, previous
+
+
 # ----------------------------------------------------------------------------- config
 @dataclass
 class TrainConfig:
@@ -126,7 +144,14 @@ class TrainConfig:
     Bookkeeping: ``eval_interval``, ``eval_batches``, ``log_interval``, ``checkpoint_interval``
     (default: ``eval_interval``; 0 = only at the end), ``out`` (run folder), ``name``,
     ``seed``, ``resume`` (checkpoint file or run folder), ``on_nonfinite`` ("stop"/"skip"),
-    ``device``, ``threads``, ``progress`` (None = only on a terminal), ``plot``.
+    ``device``, ``threads``, ``progress`` (None: a tqdm bar on a terminal, nothing otherwise;
+    True: always the bar; False: silent; ``"lines"``: a start line and a progress line every
+    tenth of the run or 30 s, for logs and CI, which is what the CLI uses when stderr is not a
+    terminal), ``plot``.
+    Resuming: the learning-rate schedule spans ``schedule_steps`` (None: ``steps``). A resumed
+    run with a larger ``steps`` keeps the checkpoint's schedule (the LR stays at its final value
+    past its end) unless ``extend_schedule`` is True, which stretches it over the new ``steps``
+    (the LR then changes at the resume step).
     Speed: ``cuda_graph`` (CUDA, nvfp4lab backend): after a few eager warm-up steps, forward,
     backward and gradient clipping of a step are captured once in a CUDA graph and replayed
     (:class:`GraphedStep`); the optimizer step and the non-finite checks stay outside it, so
@@ -173,6 +198,8 @@ class TrainConfig:
     progress: bool | None = None
     plot: bool = True
     cuda_graph: bool = False
+    schedule_steps: int | None = None
+    extend_schedule: bool = False
 
     # -- resolution and validation
     def resolved(self) -> "TrainConfig":
@@ -228,9 +255,24 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.threads must be a positive int, got {self.threads!r}")
         if self.val_every < 2 or self.chunk_bytes <= 0:
             raise ValueError("TrainConfig needs val_every >= 2 and chunk_bytes > 0")
-        if self.cuda_graph and (self.backend != "nvfp4lab" or torch.device(self.device).type != "cuda"):
+        if self.progress not in (None, True, False, "lines"):
+            raise ValueError(f"TrainConfig.progress must be None, True, False or 'lines', got {self.progress!r}")
+        if self.schedule_steps is not None and (isinstance(self.schedule_steps, bool) or not isinstance(
+                self.schedule_steps, int) or self.schedule_steps <= 0):
+            raise ValueError(f"TrainConfig.schedule_steps must be a positive int or None, got {self.schedule_steps!r}")
+        try:
+            dev = torch.device(self.device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"device {self.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+        if self.cuda_graph and (self.backend != "nvfp4lab" or dev.type != "cuda"):
             raise ValueError(f"cuda_graph needs the nvfp4lab backend on a CUDA device, got backend "
                              f"{self.backend!r} on {self.device!r} (TE models: te.make_graphed_callables)")
+        if dev.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here (torch "
+                             f"{torch.__version__}, {'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); "
+                             "use --device cpu")
+        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+            raise ValueError(f"device {self.device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
         self.model_config()  # shape checks
 
     def model_config(self) -> GPTConfig:
@@ -288,8 +330,10 @@ class RunResult:
 
     status : "completed" or "stopped_nonfinite". Losses are mean cross-entropy in nats per
     byte. ``val_curve`` is a list of ``[step, val_loss]``. ``tokens_per_s`` counts training
-    tokens over training time (validation excluded). ``peak_memory_bytes`` is described by
-    ``peak_memory_kind``.
+    tokens over training time (validation excluded) of this session's steps.
+    ``peak_memory_bytes`` is described by ``peak_memory_kind``. ``wall_time_s`` is this
+    session's time; ``total_wall_time_s`` adds the time of the sessions before a resume
+    (``resumed_from_step`` is None for a run that started at step 0).
     """
 
     name: str
@@ -314,6 +358,8 @@ class RunResult:
     data: dict[str, Any]
     environment: dict[str, Any]
     layers: dict[str, int]
+    resumed_from_step: int | None = None
+    total_wall_time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -417,9 +463,37 @@ def _rss_bytes() -> int:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
+def _previous_path(path: Path) -> Path:
+    """Where the checkpoint before ``path`` is kept: ``checkpoint.prev.pt`` for ``checkpoint.pt``."""
+    return path.with_name(path.stem + ".prev" + path.suffix)
+
+
+def _fsync_dir(folder: Path) -> None:
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # not possible on every platform; the file itself was fsynced
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
 def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
-    """Write ``state`` with ``torch.save`` atomically: a temporary file in the same folder,
-    flushed and fsynced, then ``os.replace``d over ``path`` (readers never see a partial file)."""
+    """Write ``state`` with ``torch.save`` atomically, keeping the previous checkpoint beside it.
+
+    Order: the new state goes to a temporary file in the same folder (flushed, fsynced); the
+    current ``path``, if any, is hard-linked to ``checkpoint.prev.pt`` (replacing the older one);
+    then the temporary file is ``os.replace``d over ``path``. At every moment ``path`` is a
+    complete checkpoint (the old or the new one) and a kill -9 loses nothing already written;
+    the last two checkpoints are kept.
+
+    Args:
+        path: the checkpoint file (``<run>/checkpoint.pt``).
+        state: a mapping of tensors and plain data (loadable with ``weights_only=True``).
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(prefix=path.name + ".", suffix=".tmp", dir=path.parent)
@@ -428,7 +502,15 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
             torch.save(dict(state), f)
             f.flush()
             os.fsync(f.fileno())
+        if path.exists():
+            prev = _previous_path(path)
+            link = prev.with_name(prev.name + ".tmp")
+            if link.exists():
+                link.unlink()
+            os.link(path, link)
+            os.replace(link, prev)
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -437,21 +519,65 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
         raise
 
 
-def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
-    """Load a checkpoint (file, or run folder holding ``checkpoint.pt``) with ``weights_only=True``.
+def _read_checkpoint(p: Path) -> dict[str, Any]:
+    """Load ``p`` or raise :class:`CheckpointError` saying in one line what is wrong with it."""
+    if p.stat().st_size == 0:
+        raise CheckpointError(f"checkpoint {p} is empty (0 bytes): its write was interrupted", path=str(p))
+    with open(p, "rb") as f:
+        head = f.read(4)
+    if head[:2] != b"PK":  # torch.save writes a zip archive
+        kind = "a JSON file" if head[:1] in (b"{", b"[") else "not a file torch.save wrote"
+        raise CheckpointError(f"{p} is {kind}, so not an nvfp4lab checkpoint (resume from the run "
+                              f"folder or its {CHECKPOINT_NAME})", path=str(p))
+    try:
+        ckpt = torch.load(p, map_location="cpu", weights_only=True)
+    except (RuntimeError, EOFError, OSError, ValueError) as exc:
+        # torch reports a truncated archive as "PytorchStreamReader failed reading zip archive"
+        raise CheckpointError(f"checkpoint {p} is truncated or corrupt ({p.stat().st_size:,} bytes, "
+                              f"not a complete torch archive: {type(exc).__name__})", path=str(p)) from None
+    except Exception as exc:  # noqa: BLE001 - pickle.UnpicklingError for objects weights_only refuses
+        raise CheckpointError(f"{p} holds objects other than tensors and plain data, so nvfp4lab does not "
+                              f"load it ({type(exc).__name__}); it is not an nvfp4lab checkpoint", path=str(p)) from None
+    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
+        raise CheckpointError(f"{p} is a torch file but not an nvfp4lab checkpoint (format {CHECKPOINT_FORMAT})",
+                              path=str(p))
+    return ckpt
 
-    Raises ``FileNotFoundError`` if missing and ``ValueError`` if it is not an nvfp4lab
-    checkpoint of a known format.
+
+def load_checkpoint(path: str | os.PathLike) -> dict[str, Any]:
+    """Load a checkpoint (a file, or a run folder holding ``checkpoint.pt``) with ``weights_only=True``.
+
+    Args:
+        path: checkpoint file or run folder.
+
+    Returns:
+        The checkpoint's state dict (``format``, ``step``, ``model``, ``optimizer``, ``rng``,
+        ``config``, ...).
+
+    Raises:
+        FileNotFoundError: nothing at ``path``.
+        CheckpointError: (a ``ValueError``) the file is empty, truncated, corrupt, of another
+            kind (e.g. ``run.json``) or of an unknown format. Its one-line message names the file
+            and, when the previous checkpoint beside it loads, points to it. It never suggests
+            ``weights_only=False``: a checkpoint nvfp4lab wrote loads without it.
     """
     p = Path(path)
     if p.is_dir():
         p = p / CHECKPOINT_NAME
     if not p.exists():
         raise FileNotFoundError(f"no checkpoint at {p}")
-    ckpt = torch.load(p, map_location="cpu", weights_only=True)
-    if not isinstance(ckpt, dict) or ckpt.get("format") != CHECKPOINT_FORMAT:
-        raise ValueError(f"{p} is not an nvfp4lab checkpoint (format {CHECKPOINT_FORMAT})")
-    return ckpt
+    try:
+        return _read_checkpoint(p)
+    except CheckpointError as exc:
+        prev = _previous_path(p)
+        if prev == p or not prev.is_file():
+            raise
+        try:
+            step = _read_checkpoint(prev)["step"]
+        except CheckpointError:
+            raise exc from None
+        raise CheckpointError(f"{exc}; the previous checkpoint {prev} (step {step}) is good: "
+                              f"--resume {prev}", path=exc.path, previous=str(prev)) from None
 
 
 def _param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
@@ -600,6 +726,40 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike, t
     return str(png_path)
 
 
+def _reporter(cfg: TrainConfig):
+    """``say(msg)``: one status line on stderr (``[name] msg``), unless ``cfg.progress`` is False."""
+    if cfg.progress is False:
+        return lambda msg: None
+    return lambda msg: print(f"[{cfg.name}] {msg}", file=sys.stderr, flush=True)
+
+
+class _ProgressLines:
+    """Progress as plain lines for logs (``progress="lines"``): every tenth of the run, every
+    ``PERIOD_S`` seconds and at the end, with loss, validation loss, tokens/s and ETA."""
+
+    PERIOD_S = 30.0
+
+    def __init__(self, steps: int, start_step: int, tokens_per_step: int) -> None:
+        self.steps, self.every, self.tokens_per_step = steps, max(1, steps // 10), tokens_per_step
+        self.last_t, self.time, self.timed = time.perf_counter(), 0.0, 0
+
+    def __call__(self, done: int, dt: float, loss: float, val: float | None) -> str | None:
+        self.time, self.timed = self.time + dt, self.timed + 1
+        now = time.perf_counter()
+        if not (done % self.every == 0 or done == self.steps or now - self.last_t >= self.PERIOD_S):
+            return None
+        self.last_t = now
+        eta = (self.steps - done) * self.time / self.timed
+        val_text = f"val {val:.4f}" if val is not None else "val -"
+        return (f"step {done}/{self.steps}  loss {loss:.4f}  {val_text}  "
+                f"{self.tokens_per_step * self.timed / self.time:,.0f} tok/s  ETA {_fmt_seconds(eta)}")
+
+
+def _fmt_seconds(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
 # ----------------------------------------------------------------------------- train
 def train(config: TrainConfig) -> RunResult:
     """Train one model as described by ``config``; see the module docstring.
@@ -645,7 +805,9 @@ def train(config: TrainConfig) -> RunResult:
                                   betas=(cfg.beta1, cfg.beta2), eps=1e-8)
 
     out = Path(cfg.out if cfg.out else Path("runs") / cfg.name)
-    start_step, best_val, skipped = 0, None, 0
+    say = _reporter(cfg)
+    start_step, best_val, skipped, elapsed_before = 0, None, 0, 0.0
+    schedule_steps = cfg.schedule_steps or cfg.steps
     val_curve: list[list[float]] = []
     ckpt_path = out / CHECKPOINT_NAME
     if cfg.resume:
@@ -664,8 +826,26 @@ def train(config: TrainConfig) -> RunResult:
         best_val = saved.get("best_val_loss")
         skipped = int(saved.get("skipped_steps", 0))
         val_curve = [list(v) for v in saved.get("val_curve", [])]
+        elapsed_before = float(saved.get("elapsed_s", 0.0))
         if start_step > cfg.steps:
             raise ValueError(f"checkpoint is at step {start_step}, beyond steps={cfg.steps}")
+        saved_schedule = saved["config"].get("schedule_steps") or saved["config"]["steps"]
+        if cfg.schedule_steps is None and not cfg.extend_schedule:
+            schedule_steps = saved_schedule
+        say(f"resumed from step {start_step} of {cfg.steps} (precision {cfg.precision}, checkpoint "
+            f"{cfg.resume})")
+        if schedule_steps != saved_schedule:
+            lr_old = lr_at(start_step, lr=cfg.lr, steps=saved_schedule, warmup_steps=cfg.warmup_steps,
+                           min_lr_frac=cfg.min_lr_frac)
+            lr_new = lr_at(start_step, lr=cfg.lr, steps=schedule_steps, warmup_steps=cfg.warmup_steps,
+                           min_lr_frac=cfg.min_lr_frac)
+            say(f"the learning-rate schedule now spans {schedule_steps} steps instead of {saved_schedule} "
+                f"(extend_schedule): the LR at step {start_step} goes from {lr_old:.3g} to {lr_new:.3g}")
+        elif cfg.steps > saved_schedule:
+            say(f"steps={cfg.steps} goes past the checkpoint's {saved_schedule}-step learning-rate schedule, "
+                f"which is kept: the LR stays at its final value after step {saved_schedule} "
+                "(--extend-schedule stretches the schedule instead)")
+    cfg.schedule_steps = schedule_steps
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
     # On resume, keep the history up to the checkpoint and drop what came after it.
@@ -680,7 +860,8 @@ def train(config: TrainConfig) -> RunResult:
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
 
-    cooldown_start = cfg.steps - int(round(cfg.cooldown_frac * cfg.steps)) if cfg.cooldown_frac > 0 else None
+    cooldown_start = (schedule_steps - int(round(cfg.cooldown_frac * schedule_steps))
+                      if cfg.cooldown_frac > 0 else None)
     last_ckpt: str | None = None
     if cfg.resume:
         rp = Path(cfg.resume)
@@ -699,6 +880,7 @@ def train(config: TrainConfig) -> RunResult:
             "best_val_loss": best_val,
             "skipped_steps": skipped,
             "val_curve": val_curve,
+            "elapsed_s": elapsed_before + time.perf_counter() - t_start,
             "torch_version": str(torch.__version__),
         }
 
@@ -719,8 +901,15 @@ def train(config: TrainConfig) -> RunResult:
     if start_step == 0:
         log({"type": "event", "event": "start", "step": 0, "precision": cfg.precision,
              "layers": layers, "params": model.num_parameters()})
+        say(f"start: precision {cfg.precision} ({cfg.backend}), preset {cfg.preset}, "
+            f"{model.num_parameters() / 1e6:.2f}M parameters, {cfg.steps} steps x {tokens_per_step:,} tokens "
+            f"on {device} -> {out}")
+    else:
+        log({"type": "event", "event": "resume", "step": start_step, "precision": cfg.precision,
+             "schedule_steps": schedule_steps})
     bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.name, unit="step", dynamic_ncols=True,
-               disable=None if cfg.progress is None else not cfg.progress, file=sys.stderr)
+               disable=None if cfg.progress is None else cfg.progress is not True, file=sys.stderr)
+    progress_line = _ProgressLines(cfg.steps, start_step, tokens_per_step) if cfg.progress == "lines" else None
     model.train()
     cooled = False
     graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
@@ -739,7 +928,7 @@ def train(config: TrainConfig) -> RunResult:
                 if step == cooldown_start:
                     log({"type": "event", "event": "bf16 cooldown", "step": step})
             active = "bf16" if cooled else cfg.precision
-            lr = lr_at(step, lr=cfg.lr, steps=cfg.steps, warmup_steps=cfg.warmup_steps,
+            lr = lr_at(step, lr=cfg.lr, steps=schedule_steps, warmup_steps=cfg.warmup_steps,
                        min_lr_frac=cfg.min_lr_frac)
             for g in optimizer.param_groups:
                 g["lr"] = lr
@@ -811,10 +1000,14 @@ def train(config: TrainConfig) -> RunResult:
             if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
                 checkpoint(done)
             bar.update(1)
+            if progress_line is not None:
+                line = progress_line(done, dt, loss_val, val_curve[-1][1] if val_curve else None)
+                if line:
+                    say(line)
     except NonFiniteError as exc:
         result = _result(cfg, status, message, step, val_curve, best_val, last_loss, tokens_per_step,
                          steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
-                         None, last_ckpt, data_info, layers)
+                         None, last_ckpt, data_info, layers, start_step if cfg.resume else None, elapsed_before)
         exc.result = result
         _write_json(out / "run.json", result.to_dict())
         raise
@@ -823,18 +1016,18 @@ def train(config: TrainConfig) -> RunResult:
         metrics.close()
     plot_path = None
     if cfg.plot:
-        plot_path = plot_metrics(metrics_path, out / "loss.png",
-                                 title=f"{cfg.name}: {cfg.precision}, preset {cfg.preset}")
+        what = cfg.precision if cfg.name == cfg.precision else f"{cfg.name}: {cfg.precision}"
+        plot_path = plot_metrics(metrics_path, out / "loss.png", title=f"{what}, preset {cfg.preset}")
     result = _result(cfg, status, message, cfg.steps, val_curve, best_val, last_loss, tokens_per_step,
                      steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
-                     plot_path, last_ckpt, data_info, layers)
+                     plot_path, last_ckpt, data_info, layers, start_step if cfg.resume else None, elapsed_before)
     _write_json(out / "run.json", result.to_dict())
     return result
 
 
 def _result(cfg, status, message, steps_completed, val_curve, best_val, last_loss, tokens_per_step,
             steps_timed, train_time, peak_rss, device, t_start, skipped, out, metrics_path,
-            plot_path, ckpt, data_info, layers) -> RunResult:
+            plot_path, ckpt, data_info, layers, resumed_from, elapsed_before) -> RunResult:
     if device.type == "cuda":
         peak, kind = int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
     else:
@@ -847,6 +1040,7 @@ def _result(cfg, status, message, steps_completed, val_curve, best_val, last_los
         tokens_per_s=tokens_per_step * steps_timed / train_time if train_time > 0 else 0.0,
         peak_memory_bytes=peak, peak_memory_kind=kind,
         wall_time_s=time.perf_counter() - t_start, skipped_steps=skipped, out_dir=str(out),
+        resumed_from_step=resumed_from, total_wall_time_s=elapsed_before + time.perf_counter() - t_start,
         metrics_path=str(metrics_path), plot_path=plot_path, checkpoint_path=ckpt,
         config=cfg.to_dict(), data=data_info, environment=environment_info(device), layers=layers)
 
