@@ -48,6 +48,7 @@ import torch
 ROOT = Path.cwd()
 
 from nvfp4lab import kernels  # noqa: E402
+from nvfp4lab.probe import require_device  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
 
 GPT2_SMALL = [("gpt2.attn.qkv", 768, 2304), ("gpt2.attn.proj", 768, 768), ("gpt2.mlp.fc", 768, 3072),
@@ -472,6 +473,12 @@ def main_bench(argv: list[str] | None = None) -> int:
 
 def run(args: argparse.Namespace) -> int:
     device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        if require_device(device).type not in ("cpu", "cuda") or ":" in device:
+            raise ValueError(f"--device must be cpu or cuda, got {device!r}")
+    except ValueError as exc:
+        print(f"nvfp4lab bench: error: {exc}", file=sys.stderr)
+        return 2
     skip = {s.strip() for s in args.skip.split(",") if s.strip()}
     smoke = args.smoke
     repeat = args.repeat or (3 if smoke or device == "cpu" else 10)

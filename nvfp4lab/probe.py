@@ -657,6 +657,35 @@ def _te_info(gpu_available: bool) -> TEInfo:
     return TEInfo(version=version, importable=True, error=None, checks=checks)
 
 
+def require_device(name: str):
+    """The ``torch.device`` for ``name``, checked to exist on this machine.
+
+    Args:
+        name: a torch device string (``"cpu"``, ``"cuda"``, ``"cuda:1"``).
+
+    Returns:
+        ``torch.device(name)``.
+
+    Raises:
+        ValueError: ``name`` is not a device string, names CUDA where CUDA is not available
+            (a CPU-only torch build, or no GPU visible), or a CUDA index beyond the visible
+            devices. The message is one line that says what to use instead.
+    """
+    import torch
+
+    try:
+        dev = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"device {name!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        why = "a CPU-only build" if torch.version.cuda is None else "no GPU visible"
+        raise ValueError(f"device {name!r} asked for, but CUDA is not available here (torch {torch.__version__}, "
+                         f"{why}); use --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise ValueError(f"device {name!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+    return dev
+
+
 def probe() -> Capabilities:
     """Probe this machine (CUDA device 0 / the current device). No warnings, no exceptions
     from missing GPU, TE or Triton: absences are reported in the result.

@@ -60,6 +60,7 @@ from .data import ByteTokenizer, get_batch, load_corpus, split_tokens, validatio
 from .fp8 import FP8Recipe
 from .linear import PRECISIONS, convert_model, layer_precisions, set_quantization_enabled
 from .model import GPT, GPTConfig, get_preset
+from .probe import require_device
 from .recipe import NVFP4Recipe
 
 __all__ = [
@@ -260,19 +261,10 @@ class TrainConfig:
         if self.schedule_steps is not None and (isinstance(self.schedule_steps, bool) or not isinstance(
                 self.schedule_steps, int) or self.schedule_steps <= 0):
             raise ValueError(f"TrainConfig.schedule_steps must be a positive int or None, got {self.schedule_steps!r}")
-        try:
-            dev = torch.device(self.device)
-        except (RuntimeError, TypeError):
-            raise ValueError(f"device {self.device!r} is not a torch device (cpu, cuda, cuda:1, ...)") from None
-        if self.cuda_graph and (self.backend != "nvfp4lab" or dev.type != "cuda"):
+        if self.cuda_graph and (self.backend != "nvfp4lab" or not str(self.device).startswith("cuda")):
             raise ValueError(f"cuda_graph needs the nvfp4lab backend on a CUDA device, got backend "
                              f"{self.backend!r} on {self.device!r} (TE models: te.make_graphed_callables)")
-        if dev.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {self.device!r} asked for, but CUDA is not available here (torch "
-                             f"{torch.__version__}, {'a CPU-only build' if torch.version.cuda is None else 'no GPU visible'}); "
-                             "use --device cpu")
-        if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
-            raise ValueError(f"device {self.device!r} asked for, but only {torch.cuda.device_count()} CUDA device(s) are visible")
+        require_device(self.device)
         self.model_config()  # shape checks
 
     def model_config(self) -> GPTConfig:

@@ -78,9 +78,15 @@ def test_wrong_file_is_not_a_checkpoint(run_dir, tmp_path):
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message on a machine without CUDA")
-def test_cuda_device_without_cuda(tmp_path):
-    line = one_error_line(cli("train", *TINY, "--device", "cuda", cwd=tmp_path), "train")
+@pytest.mark.parametrize("cmd", ["train", "compare", "bench"])
+def test_cuda_device_without_cuda(tmp_path, cmd):
+    line = one_error_line(cli(cmd, "--device", "cuda", *(TINY if cmd != "bench" else ["--smoke"]), cwd=tmp_path), cmd)
     assert "CUDA is not available here" in line and "--device cpu" in line
+
+
+def test_unknown_device(tmp_path):
+    line = one_error_line(cli("train", *TINY, "--device", "gpu", cwd=tmp_path), "train")
+    assert "'gpu' is not a torch device" in line
 
 
 def test_piped_output_that_is_cut_short_ends_quietly(tmp_path):
