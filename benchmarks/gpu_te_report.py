@@ -81,7 +81,6 @@ import datetime as dt
 import json
 import math
 import os
-import platform
 import statistics
 import subprocess
 import sys
@@ -199,52 +198,26 @@ def _nvidia_smi() -> tuple[str | None, str | None]:
 
 
 def section_environment(args) -> dict[str, Any]:
-    import nvfp4lab
-
+    """What this report adds to the environment block (``report["environment"]``, from
+    :func:`nvfp4lab.provenance.environment`): TE's ``NVTE_*`` settings and import error, TF32,
+    why cuDNN's version could not be read, the SM count and nvidia-smi's line."""
     env: dict[str, Any] = {
-        "date_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
-        "python": sys.version.split()[0],
-        "platform": platform.platform(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "nvfp4lab": nvfp4lab.__version__,
         "gpu_available": torch.cuda.is_available(),
         "nvte_env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("NVTE_")},
         "tf32_matmul": torch.backends.cuda.matmul.allow_tf32,
     }
     try:
-        env["cudnn"] = str(torch.backends.cudnn.version()) if torch.backends.cudnn.is_available() else None
+        if torch.backends.cudnn.is_available():
+            torch.backends.cudnn.version()
     except Exception as exc:  # noqa: BLE001 - e.g. TE loaded another cuDNN 9 first (see main)
-        env["cudnn"] = None
         env["cudnn_error"] = _exc(exc)
-    try:
-        import triton
-
-        env["triton"] = triton.__version__
-    except Exception as exc:  # noqa: BLE001
-        env["triton"] = None
-        env["triton_error"] = _exc(exc)
     from nvfp4lab.probe import import_transformer_engine
 
-    _mod, version, error = import_transformer_engine()
-    env["transformer_engine"] = version
-    env["transformer_engine_error"] = error
-    try:
-        env["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                           text=True, timeout=10).stdout.strip() or None
-    except (OSError, subprocess.SubprocessError):
-        env["git_commit"] = None
+    env["transformer_engine_error"] = import_transformer_engine()[2]
     if torch.cuda.is_available():
-        props = torch.cuda.get_device_properties(0)
-        env.update(device_name=props.name, compute_capability=list(torch.cuda.get_device_capability(0)),
-                   total_memory_bytes=int(props.total_memory), device_count=torch.cuda.device_count(),
-                   multiprocessors=props.multi_processor_count)
+        env["multiprocessors"] = torch.cuda.get_device_properties(0).multi_processor_count
         line, err = _nvidia_smi()
         env["nvidia_smi"] = line or err
-        env["driver_version"] = line.split(",")[1].strip() if line and "," in line else None
-    else:
-        env.update(device_name=platform.processor() or "cpu", compute_capability=None,
-                   total_memory_bytes=None, device_count=0, nvidia_smi=None, driver_version=None)
     return env
 
 
@@ -900,9 +873,12 @@ def _run(args: argparse.Namespace, sections: list[str], device: torch.device) ->
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
+    from nvfp4lab.provenance import environment  # after main() imported TE (cuDNN order, see main)
+
     report: dict[str, Any] = {
         "schema": SCHEMA, "mode": "smoke" if smoke else "full", "argv": args.argv,
         "started_utc": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "environment": environment(device),
         "files": {"json": JSON_NAME, "png": None}, "sections": {},
     }
     fns = {

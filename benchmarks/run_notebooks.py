@@ -13,43 +13,24 @@ runs the same notebooks in smoke mode on CPU in CI.
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
 import os
-import platform
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from nvfp4lab.provenance import environment  # noqa: E402
 
 
 def notebooks() -> list[Path]:
     """The book's chapters and the labs, in order (checkpoints excluded)."""
     return sorted(p for d in ("book", "labs") for p in (ROOT / d).rglob("*.ipynb")
                   if ".ipynb_checkpoints" not in p.parts)
-
-
-def environment() -> dict:
-    import torch
-
-    env = {"date_utc": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-           "python": platform.python_version(), "torch": torch.__version__, "cuda": torch.version.cuda,
-           "device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu"}
-    try:
-        import transformer_engine
-
-        env["transformer_engine"] = transformer_engine.__version__
-    except Exception as exc:  # noqa: BLE001 - recorded, not fatal
-        env["transformer_engine"] = f"unavailable: {type(exc).__name__}"
-    if torch.cuda.is_available():
-        import subprocess
-
-        smi = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                             capture_output=True, text=True)
-        env["driver_version"] = smi.stdout.strip() or None
-    return env
 
 
 def main(argv: list[str] | None = None) -> int:

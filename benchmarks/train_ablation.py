@@ -100,20 +100,6 @@ def _plot(runs: dict, baseline: str, png: Path, title: str, noise: dict | None =
     fig.savefig(png, dpi=120)
 
 
-def _git_commit() -> str | None:
-    import subprocess
-
-    try:
-        out = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True, timeout=10)
-        used = [f"nvfp4lab/{m}.py" for m in ("formats", "quantize", "hadamard", "rounding", "recipe",
-                                             "linear", "fp8", "model", "data", "train")]
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", *used], cwd=REPO,
-                               capture_output=True, text=True, timeout=10).stdout.strip()
-        return out.stdout.strip() + ("+dirty" if dirty else "") if out.returncode == 0 else None
-    except (OSError, subprocess.SubprocessError):
-        return None
-
-
 _IGNORED_FOR_REUSE = ("out", "threads", "progress", "resume", "plot")
 
 
@@ -152,7 +138,8 @@ def main(argv=None) -> int:
 
     import statistics
 
-    from nvfp4lab.train import VARIANTS, RunResult, TrainConfig, environment_info, format_table
+    from nvfp4lab.provenance import environment, git_commit
+    from nvfp4lab.train import VARIANTS, RunResult, TrainConfig, format_table
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -182,7 +169,7 @@ def main(argv=None) -> int:
 
     t0 = time.perf_counter()
     started = dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
-    commit_at_start = _git_commit()
+    commit_at_start = git_commit()
     print(f"[train_ablation] {len(todo)} runs to train ({len(reused)} reused), preset {args.preset}, "
           f"{resolved.steps} steps, {args.jobs} job(s) x {threads} thread(s)", flush=True)
 
@@ -219,7 +206,7 @@ def main(argv=None) -> int:
             "tokens_per_s": r["tokens_per_s"], "peak_memory_bytes": r["peak_memory_bytes"],
             "recipe": r["config"]["recipe"], "cooldown_frac": r["config"]["cooldown_frac"],
             "layers": r["layers"], "val_curve": r["val_curve"],
-            "finished": r["environment"].get("date"), "git_commit": r["environment"].get("git_commit"),
+            "finished": r["environment"].get("date_utc"), "git_commit": r["environment"].get("git_commit"),
             "run_dir": os.path.relpath(r["out_dir"], REPO),
         }
     bf16_losses = [results[n]["final_val_loss"] for n in ["bf16", *noise_names]
@@ -234,13 +221,13 @@ def main(argv=None) -> int:
                          "smaller than this are not resolved by this benchmark"}
     table = format_table({v: RunResult(**r) for v, r in results.items()}, baseline)
     first = results[variants[0]]
-    env = environment_info("cpu")
+    env = environment("cpu")
     nvfp4_gap = runs_out.get("nvfp4", {}).get("rel_gap_vs_bf16")
     summary = {
         "benchmark": "train_ablation",
         "command": " ".join(["benchmarks/train_ablation.py", *(argv if argv is not None else sys.argv[1:])]),
         "started": started,
-        "date": env["date"],
+        "date": env["date_utc"],
         "script_wall_time_s": total,
         "runs_wall_time_s_sum": sum(r["wall_time_s"] for r in results.values()),
         "reused_runs": reused,
@@ -261,7 +248,7 @@ def main(argv=None) -> int:
         "versions": {k: env.get(k) for k in ("python", "torch", "numpy", "nvfp4lab")},
         "git_commit": commit_at_start,
         "note": args.note,
-        "device": env.get("device_name"),
+        "device": env["device"],
         "baseline": baseline,
         "seed_noise": noise,
         "target": {"rel_gap_vs_bf16_max": TARGET_REL_GAP, "nvfp4_rel_gap": nvfp4_gap,

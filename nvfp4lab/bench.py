@@ -30,10 +30,7 @@ between repeats, inputs rotated when they would fit in L2); CPU timings are medi
 from __future__ import annotations
 
 import argparse
-import datetime as _dt
 import json
-import os
-import platform
 import re
 import statistics
 import subprocess
@@ -44,11 +41,12 @@ from typing import Any, Callable
 
 import torch
 
-#: Where results go by default (``results/`` of the current directory) and where git is asked.
+#: Where results go by default: ``results/`` of the current directory.
 ROOT = Path.cwd()
 
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.probe import require_device  # noqa: E402
+from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
 
 GPT2_SMALL = [("gpt2.attn.qkv", 768, 2304), ("gpt2.attn.proj", 768, 768), ("gpt2.mlp.fc", 768, 3072),
@@ -118,32 +116,12 @@ def _rotating(make: Callable[[int], Any], nbytes: int, device: str) -> Callable[
 
 # ----------------------------------------------------------------------------- metadata
 def _meta(device: str) -> dict:
-    meta = {
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "python": platform.python_version(),
-        "host_cpu": platform.processor() or platform.machine(),
-        "cpu_threads": torch.get_num_threads(),
-        "triton_interpret": kernels.interpreter_mode(),
-        "rht_f64": kernels.RHT_F64,
-        "config": kernels.CONFIG,
-    }
-    try:
-        import triton
-
-        meta["triton"] = triton.__version__
-    except ImportError:
-        meta["triton"] = None
-    try:
-        meta["git_commit"] = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True,
-                                            text=True, timeout=10).stdout.strip() or None
-    except Exception:
-        meta["git_commit"] = None
+    """What the benchmark adds to the environment block (:func:`nvfp4lab.provenance.environment`):
+    the kernels' options and, on CUDA, the SM count, L2 size and nvidia-smi's driver and clock."""
+    meta = {"triton_interpret": kernels.interpreter_mode(), "rht_f64": kernels.RHT_F64, "config": kernels.CONFIG}
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
-        meta.update(device=torch.cuda.get_device_name(0), sm_count=p.multi_processor_count,
-                    capability=f"{p.major}.{p.minor}", memory_gib=round(p.total_memory / 2**30, 1),
+        meta.update(sm_count=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),
                     l2_mib=round(getattr(p, "L2_cache_size", 0) / 2**20, 1))
         try:
             out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,clocks.max.sm",
@@ -151,8 +129,6 @@ def _meta(device: str) -> dict:
             meta["nvidia_smi"] = out.stdout.strip()
         except Exception:
             pass
-    else:
-        meta["device"] = "cpu"
     return meta
 
 
@@ -443,8 +419,8 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("fwd+bwd time / BF16 nn.Linear")
     ax.set_title("Linear forward+backward", fontsize=9)
     ax.legend(fontsize=7)
-    fig.suptitle(f'{result["meta"].get("device")}  torch {result["meta"]["torch"]}  triton '
-                 f'{result["meta"].get("triton")}  {result["meta"]["date"]}', fontsize=9)
+    env = result["environment"]
+    fig.suptitle(f'{env["device"]}  torch {env["torch"]}  triton {env["triton"]}  {env["date_utc"]}', fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
@@ -495,8 +471,10 @@ def run(args: argparse.Namespace) -> int:
         fp32_sizes = [s for s in fp32_sizes if s in sizes]
     if args.linear_shapes == "main":
         lin_shapes = lin_shapes[:1]
-    result: dict[str, Any] = {"meta": _meta(device), "args": {k: str(v) for k, v in vars(args).items()}}
-    print(f"[bench] {result['meta']}", flush=True)
+    env = environment(device)
+    result: dict[str, Any] = {"environment": env, "meta": _meta(device),
+                              "args": {k: str(v) for k, v in vars(args).items()}}
+    print(f"[bench] {env['device']}, torch {env['torch']}, triton {env['triton']}, commit {env['git_commit']}", flush=True)
     copy_gbps = None
     if "copy" not in skip:
         result["copy"] = bench_copy(device, copy_n, repeat)
@@ -520,7 +498,7 @@ def run(args: argparse.Namespace) -> int:
                and r.get("impl") == "nvfp4_linear_triton" for k in ("vs_bf16", "graph_vs_bf16")}}
     if "cpu" not in skip:
         result["cpu"] = bench_cpu(cpu_n, 3 if smoke else 5)
-    name = result["meta"].get("device", device)
+    name = env["device"] if env["device_type"] == "cuda" else "cpu"
     out = args.out or ROOT / "results" / f"bench_{_slug(name)}{'_smoke' if smoke else ''}.json"
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1, default=str))

@@ -43,7 +43,6 @@ import importlib
 import importlib.metadata
 import importlib.util
 import json
-import platform
 import sys
 import warnings
 from collections.abc import Mapping, Sequence
@@ -582,8 +581,10 @@ def _te_checks(te_pytorch: Any, names: Sequence[str] | None = None) -> dict[str,
 
 
 def _gpu_info() -> dict[str, Any]:
-    """Device facts from torch for the current CUDA device (device 0 unless changed)."""
+    """Device facts for the current CUDA device, from :func:`nvfp4lab.provenance.environment`."""
     import torch
+
+    from .provenance import environment
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -601,14 +602,10 @@ def _gpu_info() -> dict[str, Any]:
         if not available:
             return info
         try:
-            index = torch.cuda.current_device()
-            props = torch.cuda.get_device_properties(index)
-            info.update(
-                device_name=str(props.name),
-                device_count=int(torch.cuda.device_count()),
-                compute_capability=(int(props.major), int(props.minor)),
-                total_memory_bytes=int(props.total_memory),
-            )
+            env = environment("cuda")
+            info.update(device_name=env["device"], device_count=env["device_count"],
+                        compute_capability=tuple(env["compute_capability"]),
+                        total_memory_bytes=env["total_memory_bytes"])
         except Exception as exc:  # noqa: BLE001 - e.g. a driver problem after is_available()
             info.update(gpu_available=False, device_name=f"cpu (CUDA device unusable: {_exc_text(exc)})")
     return info
@@ -622,16 +619,12 @@ def _cuda_version() -> str | None:
 
 
 def _software_info() -> dict[str, Any]:
-    import torch
+    """Versions from :func:`nvfp4lab.provenance.environment`, and whether Triton imports."""
+    from .provenance import environment
 
-    cudnn = None
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
-        cudnn = None if v is None else str(v)
-    except Exception:  # noqa: BLE001
-        cudnn = None
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        env = environment("cpu")   # the versions; the device facts come from _gpu_info
     triton_version, triton_error = None, None
     try:
         triton = _quiet_import("triton")
@@ -639,11 +632,11 @@ def _software_info() -> dict[str, Any]:
     except Exception as exc:  # noqa: BLE001
         triton_error = _exc_text(exc)
     return {
-        "python_version": platform.python_version(),
-        "platform": platform.platform(),
-        "torch_version": str(torch.__version__),
+        "python_version": env["python"],
+        "platform": env["platform"],
+        "torch_version": env["torch"],
         "cuda_version": _cuda_version(),
-        "cudnn_version": cudnn,
+        "cudnn_version": env["cudnn"],
         "triton_version": triton_version,
         "triton_error": triton_error,
     }

@@ -42,6 +42,7 @@ import importlib.metadata
 import os
 import platform
 import subprocess
+import warnings
 from pathlib import Path
 from typing import Any, Mapping
 
@@ -121,7 +122,9 @@ def _driver_version() -> str | None:
 
 def _cudnn_version() -> str | None:
     try:
-        v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            v = torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None
     except Exception:  # noqa: BLE001 - e.g. another cuDNN loaded first: not recorded
         return None
     return None if v is None else str(v)
@@ -186,7 +189,8 @@ def provenance_table(env: Mapping[str, Any], what: str) -> str:
         what: what was measured, and by which command (Markdown).
 
     Returns:
-        Markdown: what, device, driver, software, date (UTC) and code (git commit).
+        Markdown: what, device, driver, software, date (UTC) and code (git commit). Values an older
+        file did not record (``None``) are left out or shown as "not recorded".
 
     Raises:
         KeyError: ``env`` lacks one of :data:`ENVIRONMENT_KEYS` (an old result file).
@@ -194,13 +198,15 @@ def provenance_table(env: Mapping[str, Any], what: str) -> str:
     missing = [k for k in ENVIRONMENT_KEYS if k not in env]
     if missing:
         raise KeyError(f"environment block lacks {missing}: not written by nvfp4lab.provenance.environment")
+    device = env["device"] or (env["cpu"] if env["device_type"] == "cpu" else None) or "not recorded"
     if env["device_type"] == "cuda":
-        cc = env["compute_capability"]
-        device = f"{env['device']}, compute capability {cc[0]}.{cc[1]}, {env['total_memory_bytes'] / 2**30:.0f} GiB"
-        if env["device_count"] and env["device_count"] > 1:
-            device += f" ({env['device_count']} visible)"
+        cc, mem = env["compute_capability"], env["total_memory_bytes"]
+        device += f", compute capability {cc[0]}.{cc[1]}" if cc else ""
+        device += f", {mem / 2**30:.0f} GiB" if mem else ""
+        device += f" ({env['device_count']} visible)" if env["device_count"] and env["device_count"] > 1 else ""
     else:
-        device = f"{env['device']} ({env['cpu_count']} logical CPUs, {env['threads']} torch threads)"
+        cpus = [f"{env[k]} {what}" for k, what in (("cpu_count", "logical CPUs"), ("threads", "torch threads")) if env[k]]
+        device += f" ({', '.join(cpus)})" if cpus else ""
     software = [f"Python {env['python']}", f"torch {env['torch']}" + (f" (CUDA {env['cuda']})" if env["cuda"] else "")]
     software += [f"{name} {env[key]}" for name, key in (("Transformer Engine", "transformer_engine"),
                                                           ("Triton", "triton"), ("nvfp4lab", "nvfp4lab"))

@@ -40,11 +40,9 @@ the quantized layers share ``nn.Linear``'s parameters and state-dict keys.
 from __future__ import annotations
 
 import dataclasses
-import datetime as _dt
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -61,12 +59,13 @@ from .fp8 import FP8Recipe
 from .linear import PRECISIONS, convert_model, layer_precisions, set_quantization_enabled
 from .model import GPT, GPTConfig, get_preset
 from .probe import require_device
+from .provenance import environment
 from .recipe import NVFP4Recipe
 
 __all__ = [
     "TrainConfig", "RunResult", "CompareResult", "NonFiniteError", "train", "compare",
     "TRAIN_PRESETS", "VARIANTS", "save_checkpoint", "load_checkpoint", "lr_at",
-    "environment_info", "plot_metrics", "CHECKPOINT_NAME", "PREVIOUS_CHECKPOINT_NAME", "CheckpointError",
+    "plot_metrics", "CHECKPOINT_NAME", "PREVIOUS_CHECKPOINT_NAME", "CheckpointError",
 ]
 
 CHECKPOINT_NAME = "checkpoint.pt"
@@ -381,68 +380,6 @@ def lr_at(step: int, *, lr: float, steps: int, warmup_steps: int, min_lr_frac: f
     span = max(1, steps - 1 - warmup_steps)
     progress = min(1.0, (step - warmup_steps) / span)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * progress)) * (lr - min_lr)
-
-
-def environment_info(device: torch.device | str = "cpu") -> dict[str, Any]:
-    """Versions and hardware: python, torch, numpy, nvfp4lab, git commit, platform, device name,
-    threads, date."""
-    device = torch.device(device)
-    info: dict[str, Any] = {
-        "python": sys.version.split()[0],
-        "torch": str(torch.__version__),
-        "platform": platform.platform(),
-        "device": str(device),
-        "threads": torch.get_num_threads(),
-        "date": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-    }
-    try:
-        import numpy
-
-        info["numpy"] = numpy.__version__
-    except ImportError:  # pragma: no cover
-        pass
-    try:
-        from . import __version__
-
-        info["nvfp4lab"] = __version__
-    except ImportError:  # pragma: no cover
-        pass
-    info["git_commit"] = _git_commit()
-    if device.type == "cuda":
-        info["device_name"] = torch.cuda.get_device_name(device)
-        info["cuda"] = torch.version.cuda
-    else:
-        name = platform.processor()
-        try:
-            with open("/proc/cpuinfo") as f:
-                for line in f:
-                    if line.startswith("model name"):
-                        name = line.split(":", 1)[1].strip()
-                        break
-        except OSError:
-            pass
-        info["device_name"] = name
-        info["cpu_count"] = os.cpu_count()
-    return info
-
-
-def _git_commit() -> str | None:
-    """HEAD of the git checkout this package runs from (``+dirty`` if nvfp4lab/ has changes), or None."""
-    import subprocess
-
-    root = Path(__file__).resolve().parents[1]
-    if not (root / ".git").exists():
-        return None
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True,
-                              timeout=10)
-        dirty = subprocess.run(["git", "status", "--porcelain", "--", "nvfp4lab"], cwd=root,
-                               capture_output=True, text=True, timeout=10)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    if head.returncode != 0:
-        return None
-    return head.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 def _rss_bytes() -> int:
@@ -1034,7 +971,7 @@ def _result(cfg, status, message, steps_completed, val_curve, best_val, last_los
         wall_time_s=time.perf_counter() - t_start, skipped_steps=skipped, out_dir=str(out),
         resumed_from_step=resumed_from, total_wall_time_s=elapsed_before + time.perf_counter() - t_start,
         metrics_path=str(metrics_path), plot_path=plot_path, checkpoint_path=ckpt,
-        config=cfg.to_dict(), data=data_info, environment=environment_info(device), layers=layers)
+        config=cfg.to_dict(), data=data_info, environment=environment(device), layers=layers)
 
 
 def _write_json(path: Path, data: Any) -> None:

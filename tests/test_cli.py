@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from nvfp4lab import cli
 from nvfp4lab.model import GPT
@@ -125,4 +126,7 @@ def test_bench_smoke_writes_json_and_plot(tmp_path):
     data = json.loads(out.read_text())
     impls = [row["impl"] for row in data["cpu"]]
     assert impls[0] == "nvfp4lab.quantize" and data["cpu"][0]["ms"] > 0
-    assert data["meta"]["torch"] and out.with_suffix(".png").exists()
+    from nvfp4lab.provenance import ENVIRONMENT_KEYS
+
+    assert tuple(data["environment"]) == ENVIRONMENT_KEYS and data["environment"]["torch"] == torch.__version__
+    assert data["meta"]["config"] and out.with_suffix(".png").exists()

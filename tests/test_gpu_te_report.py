@@ -48,10 +48,11 @@ def test_files_and_schema(report):
 
 def test_environment_and_probe(report):
     _, _, data = report
-    env = data["sections"]["environment"]
-    for key in ("date_utc", "torch", "cuda", "transformer_engine", "device_name", "compute_capability",
-                "driver_version", "nvfp4lab"):
-        assert key in env
+    from nvfp4lab.provenance import ENVIRONMENT_KEYS
+
+    assert tuple(data["environment"]) == ENVIRONMENT_KEYS           # the one provenance block
+    assert data["environment"]["device_type"] == ("cuda" if torch.cuda.is_available() else "cpu")
+    assert {"nvte_env", "tf32_matmul", "transformer_engine_error"} <= set(data["sections"]["environment"])
     probe = data["sections"]["probe"]
     assert set(probe["caps"]["formats"]) == {"bf16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4"}
     assert "recommendation" in probe["table"]
