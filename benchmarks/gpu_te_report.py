@@ -15,7 +15,7 @@ still runs; the JSON is rewritten after every section):
     device name, driver (``nvidia-smi``), compute capability, memory, torch / CUDA / cuDNN /
     Triton / TE / nvfp4lab versions, ``NVTE_*`` variables, UTC date.
 ``probe``
-    ``nvfp4lab.probe.probe().to_dict()`` and its printed table.
+    ``nvfp4lab.probe().to_dict()`` and its printed table.
 ``nvfp4_refusal``
     ``NVFP4BlockScaling`` on this GPU: TE's own ``is_nvfp4_available``; what
     ``nvfp4lab.te.autocast`` raises (before TE is entered); what raw ``te.autocast`` raises,
@@ -211,7 +211,7 @@ def section_environment(args) -> dict[str, Any]:
             torch.backends.cudnn.version()
     except Exception as exc:  # noqa: BLE001 - e.g. TE loaded another cuDNN 9 first (see main)
         env["cudnn_error"] = _exc(exc)
-    from nvfp4lab.probe import import_transformer_engine
+    from nvfp4lab.capabilities import import_transformer_engine
 
     env["transformer_engine_error"] = import_transformer_engine()[2]
     if torch.cuda.is_available():
@@ -222,7 +222,7 @@ def section_environment(args) -> dict[str, Any]:
 
 
 def section_probe(args) -> dict[str, Any]:
-    from nvfp4lab.probe import format_table, probe
+    from nvfp4lab.capabilities import format_table, probe
 
     caps = probe()
     return {"caps": caps.to_dict(), "table": format_table(caps)}
@@ -856,7 +856,7 @@ def main(argv: list[str] | None = None) -> int:
     # Import TE before anything initializes cuDNN: on the lent H100 a system cuDNN 9 in
     # /lib/x86_64-linux-gnu clashes with the one torch has loaded once torch.backends.cudnn
     # was queried, and TE's import then fails with an undefined cudnn symbol.
-    from nvfp4lab.probe import import_transformer_engine
+    from nvfp4lab.capabilities import import_transformer_engine
 
     import_transformer_engine()
     threads = torch.get_num_threads()

@@ -45,7 +45,7 @@ import torch
 ROOT = Path.cwd()
 
 from nvfp4lab import kernels  # noqa: E402
-from nvfp4lab.probe import require_device  # noqa: E402
+from nvfp4lab.capabilities import require_device  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
 

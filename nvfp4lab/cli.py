@@ -41,7 +41,7 @@ Registrar = Callable[[Any], Any]
 #: name -> registrar(subparsers), a callable or a lazy "module:function" string. Insertion order
 #: is the order in ``--help``. ``train`` and ``compare`` are added below.
 SUBCOMMANDS: dict[str, Registrar | str] = {
-    "probe": "nvfp4lab.probe:add_probe_subcommand",
+    "probe": "nvfp4lab.capabilities:add_probe_subcommand",
     "bench": "nvfp4lab.bench:register",
 }
 
@@ -248,11 +248,14 @@ def _cmd_compare(args: argparse.Namespace) -> int:
 
 @register_subcommand("train")
 def _register_train(subparsers) -> None:
+    from .precisions import EMULATED, TE_BACKEND
+
     p = subparsers.add_parser("train", help="train the small GPT in one precision",
                               description="Train the small GPT on byte-level text in one precision.")
-    p.add_argument("--precision", choices=("bf16", "fp32", "fp8", "nvfp4"), default="nvfp4",
-                   help="bf16: autocast mixed precision; fp8: emulated TE Float8CurrentScaling; "
-                        "nvfp4: emulated TE NVFP4BlockScaling (default)")
+    p.add_argument("--precision", choices=TE_BACKEND, default="nvfp4", metavar="PRECISION",
+                   help="bf16: autocast mixed precision; fp8 (= fp8-current): TE Float8CurrentScaling; nvfp4: TE "
+                        "NVFP4BlockScaling (default). The nvfp4lab backend emulates "
+                        f"{', '.join(EMULATED)}; --backend te also runs {', '.join(sorted(set(TE_BACKEND) - set(EMULATED)))}")
     p.add_argument("--backend", choices=("nvfp4lab", "te"), default="nvfp4lab",
                    help="nvfp4lab: exact emulation on any device (default); te: the same GPT from "
                         "Transformer Engine modules (CUDA; NVFP4 needs compute capability 10.0)")

@@ -56,6 +56,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from .fp8 import FP8Linear, FP8Recipe
+from .precisions import EMULATED, canonical_name
 from .recipe import NVFP4Recipe
 
 __all__ = [
@@ -64,8 +65,9 @@ __all__ = [
     "layer_precisions", "TOKEN_PAD",
 ]
 
-#: Precisions understood by :func:`convert_model` (and the trainer).
-PRECISIONS = ("fp32", "bf16", "fp8", "nvfp4")
+#: Precisions understood by :func:`convert_model` (and the trainer's nvfp4lab backend): the
+#: emulated rows of :mod:`nvfp4lab.precisions` (``"fp8"`` is ``"fp8-current"``).
+PRECISIONS = EMULATED
 #: Token-axis padding multiple for the RHT'd columnwise copies (the RHT length).
 TOKEN_PAD = 16
 
@@ -494,7 +496,7 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
         ``"nvfp4"``: linear layers inside transformer blocks become :class:`NVFP4Linear`, except
         those in the recipe's first ``bf16_first_layers`` and last ``bf16_last_layers`` blocks;
         linear layers outside the blocks (the LM head) only if ``recipe.quantize_lm_head``.
-        ``"fp8"``: every linear layer inside the blocks becomes an
+        ``"fp8"`` / ``"fp8-current"``: every linear layer inside the blocks becomes an
         :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes quantize every ``te.Linear``; the head,
         plain torch in a TE model, stays high precision). ``recipe`` is ignored.
     recipe : the NVFP4 recipe (default ``NVFP4Recipe()``).
@@ -536,7 +538,7 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
                          f"{block_pattern!r}); pass block_pattern=")
     num_blocks = indices[-1] + 1
 
-    if precision == "fp8":
+    if canonical_name(precision) == "fp8-current":
         fp8_recipe = fp8_recipe if fp8_recipe is not None else FP8Recipe()
         for name, layer in layers:
             if block_of[name] is not None:

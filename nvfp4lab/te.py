@@ -21,7 +21,7 @@ Recipe names (:data:`RECIPE_NAMES`) and the TE 2.20 objects they build
 ``fp8`` is accepted as an alias of ``fp8-current`` (the CLI's ``--precision fp8``).
 
 :func:`autocast` checks the recipe against this machine with the probe
-(:func:`nvfp4lab.probe.recipe_support`, i.e. TE's own ``is_*_available``) *before*
+(:func:`nvfp4lab.capabilities.recipe_support`, i.e. TE's own ``is_*_available``) *before*
 entering ``te.autocast``, so an unsupported recipe raises :class:`NVFP4NotSupported`
 or :class:`RecipeNotSupported` with the probe's reason and the fallbacks, never an
 assertion from inside TE.
@@ -35,7 +35,8 @@ import warnings
 from collections.abc import Callable, Iterator
 from typing import Any
 
-from .probe import TE_INSTALL_COMMAND, TE_PINNED_VERSION, import_transformer_engine, recipe_support
+from .precisions import ALIASES, PRECISIONS
+from .capabilities import TE_INSTALL_COMMAND, TE_PINNED_VERSION, import_transformer_engine, recipe_support
 
 __all__ = [
     "TE_INSTALL_COMMAND",
@@ -55,10 +56,10 @@ __all__ = [
     "autocast",
 ]
 
-#: Names accepted by :func:`make_recipe`.
-RECIPE_NAMES = ("nvfp4", "nvfp4-reference", "fp8-current", "fp8-delayed", "fp8-block", "mxfp8")
-#: Extra spellings accepted by :func:`make_recipe`.
-RECIPE_ALIASES = {"fp8": "fp8-current"}
+#: Names accepted by :func:`make_recipe`: the TE recipes of the precision table.
+RECIPE_NAMES = tuple(p.name for p in PRECISIONS if p.te_recipe is not None)
+#: Extra spellings accepted by :func:`make_recipe` (the precision table's aliases).
+RECIPE_ALIASES = dict(ALIASES)
 
 #: What to do instead when NVFP4 cannot run natively (FP8 runs on this GPU).
 FALLBACKS = "use --precision fp8 with --backend te, or nvfp4lab's emulated NVFP4 with --backend nvfp4lab"
@@ -280,7 +281,7 @@ def _raise_unsupported(te: Any, key: str, name: str) -> None:
 def check_recipe(recipe: Any) -> None:
     """Raise if ``recipe`` cannot run natively on the current CUDA device.
 
-    Uses :func:`nvfp4lab.probe.recipe_support` (TE's ``is_*_available(return_reason=True)``
+    Uses :func:`nvfp4lab.capabilities.recipe_support` (TE's ``is_*_available(return_reason=True)``
     for the recipe's format, the compute-capability rules without a GPU).
 
     Raises:

@@ -106,6 +106,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .precisions import TE_BACKEND, canonical_name, get_precision
 from .model import GPT, GPTConfig
 from .recipe import NVFP4Recipe
 
@@ -126,16 +127,7 @@ __all__ = [
 
 #: Precision -> nvfp4lab.te.make_recipe name (None: no TE autocast).
 TE_RECIPE_FOR_PRECISION: dict[str, str | None] = {
-    "fp32": None,
-    "bf16": None,
-    "fp8": "fp8-current",
-    "fp8-current": "fp8-current",
-    "fp8-delayed": "fp8-delayed",
-    "fp8-block": "fp8-block",
-    "mxfp8": "mxfp8",
-    "nvfp4": "nvfp4",
-    "nvfp4-reference": "nvfp4-reference",
-}
+    name: None if get_precision(name).te_recipe is None else canonical_name(name) for name in TE_BACKEND}
 #: Precisions accepted by :func:`build_te_model`.
 TE_PRECISIONS = tuple(TE_RECIPE_FOR_PRECISION)
 _NVFP4_NAMES = ("nvfp4", "nvfp4-reference")

@@ -49,16 +49,17 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Mapping, Sequence
 
 import torch
 import torch.nn as nn
 
 from .data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
 from .fp8 import FP8Recipe
-from .linear import PRECISIONS, convert_model, layer_precisions, set_quantization_enabled
+from .linear import convert_model, layer_precisions, set_quantization_enabled
 from .model import GPT, GPTConfig, get_preset
-from .probe import require_device
+from .precisions import EMULATED, TE_BACKEND, canonical_name
+from .capabilities import require_device
 from .provenance import environment
 from .recipe import NVFP4Recipe
 
@@ -137,7 +138,8 @@ class TrainConfig:
     Backend: ``"nvfp4lab"`` (the GPT of :mod:`nvfp4lab.model`, NVFP4/FP8 emulated exactly, any
     device) or ``"te"`` (the same GPT built from Transformer Engine modules, CUDA only; FP8 runs
     natively through TE, NVFP4 needs compute capability 10.0: :mod:`nvfp4lab.te_model`).
-    Precision: ``precision`` in :data:`~nvfp4lab.linear.PRECISIONS`, ``recipe``
+    Precision: ``precision``, a name of :mod:`nvfp4lab.precisions` (the emulated ones for the
+    nvfp4lab backend, every TE recipe for the te backend), ``recipe``
     (:class:`NVFP4Recipe`), ``fp8_recipe``, ``cooldown_frac`` in [0, 1) (nvfp4/fp8 only).
     Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
     ``chunk_bytes`` (the split).
@@ -226,10 +228,13 @@ class TrainConfig:
         return c
 
     def _validate(self) -> None:
-        if self.precision not in PRECISIONS:
-            raise ValueError(f"precision must be one of {PRECISIONS}, got {self.precision!r}")
         if self.backend not in ("nvfp4lab", "te"):
             raise ValueError(f"backend must be 'nvfp4lab' or 'te', got {self.backend!r}")
+        allowed = EMULATED if self.backend == "nvfp4lab" else TE_BACKEND
+        if self.precision not in allowed:
+            hint = "; TE runs it: --backend te" if self.precision in TE_BACKEND else ""
+            raise ValueError(f"precision {self.precision!r} is not one the {self.backend} backend trains; "
+                             f"choose one of {', '.join(allowed)}{hint}")
         for k in ("batch_size", "steps", "eval_interval", "eval_batches", "log_interval", "seq_len"):
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
@@ -244,7 +249,7 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.min_lr_frac must be in [0, 1], got {self.min_lr_frac}")
         if not 0.0 <= self.cooldown_frac < 1.0:
             raise ValueError(f"TrainConfig.cooldown_frac must be in [0, 1), got {self.cooldown_frac}")
-        if self.cooldown_frac > 0 and self.precision not in ("nvfp4", "fp8"):
+        if self.cooldown_frac > 0 and canonical_name(self.precision) in ("fp32", "bf16"):
             raise ValueError(f"cooldown_frac={self.cooldown_frac} only makes sense for precision "
                              f"nvfp4 or fp8 (it switches them to BF16), not {self.precision!r}")
         if self.on_nonfinite not in ("stop", "skip"):

@@ -1,4 +1,4 @@
-"""CPU tests for nvfp4lab.probe: the compute-capability rules (TE 2.20's, with TE's strings),
+"""CPU tests for nvfp4lab.capabilities (nvfp4lab.probe()): the compute-capability rules (TE 2.20's, with TE's strings),
 the mode and recommendation logic, probe() on this machine and on faked machines, the CLI."""
 
 from __future__ import annotations
@@ -13,9 +13,7 @@ import warnings
 
 import pytest
 
-# ``nvfp4lab.probe`` may be shadowed by the function once nvfp4lab/__init__.py exports
-# ``probe``; import the module through sys.modules.
-P = importlib.import_module("nvfp4lab.probe")
+P = importlib.import_module("nvfp4lab.capabilities")
 
 NVFP4_REASON = "Device compute capability 10.0 or higher required for NVFP4 execution."
 FP8_REASON = "Device compute capability 8.9 or higher required for FP8 execution."
@@ -316,7 +314,7 @@ def test_import_of_probe_does_not_import_te_or_triton():
     import subprocess
 
     code = (
-        "import sys, nvfp4lab.probe, nvfp4lab.te; "
+        "import sys, nvfp4lab.capabilities, nvfp4lab.te; "
         "bad = [m for m in ('transformer_engine', 'triton') if m in sys.modules]; "
         "assert not bad, bad"
     )
@@ -355,3 +353,12 @@ def test_nvfp4lab_cli_probe(capsys):
     cli = pytest.importorskip("nvfp4lab.cli")
     assert cli.main(["probe", "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["mode"] in P.MODES
+
+
+def test_the_module_is_reachable_under_its_name():
+    """``nvfp4lab.probe`` is the function; the module is ``nvfp4lab.capabilities`` (not shadowed)."""
+    import nvfp4lab
+    import nvfp4lab.capabilities as caps
+
+    assert callable(nvfp4lab.probe) and nvfp4lab.probe is caps.probe
+    assert caps.format_support is P.format_support and nvfp4lab.capabilities is caps

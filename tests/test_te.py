@@ -23,7 +23,7 @@ from typing import Any, Callable, Optional
 import pytest
 
 T = importlib.import_module("nvfp4lab.te")
-P = importlib.import_module("nvfp4lab.probe")
+P = importlib.import_module("nvfp4lab.capabilities")
 
 NVFP4_REASON = "Device compute capability 10.0 or higher required for NVFP4 execution."
 FP8_REASON = "Device compute capability 8.9 or higher required for FP8 execution."
@@ -492,7 +492,7 @@ def test_import_nvfp4lab_does_not_need_te():
         "        if name.split('.')[0] == 'transformer_engine':\n"
         "            raise ImportError('blocked for the test')\n"
         "sys.meta_path.insert(0, Block())\n"
-        "import nvfp4lab, nvfp4lab.probe, nvfp4lab.te\n"
+        "import nvfp4lab, nvfp4lab.capabilities, nvfp4lab.te\n"
         "assert not any(m.split('.')[0] == 'transformer_engine' for m in sys.modules)\n"
     )
     import pathlib

@@ -1,4 +1,4 @@
-"""GPU tests for nvfp4lab.te and nvfp4lab.probe against the real Transformer Engine.
+"""GPU tests for nvfp4lab.te and nvfp4lab.capabilities against the real Transformer Engine.
 
 Run on the GPU machine: ``PYTHONPATH=. python -m pytest -m gpu tests/gpu/test_te_gpu.py -q``.
 Skipped without a CUDA GPU or without an importable TE 2.20 (the skip message says why).
@@ -43,7 +43,7 @@ if not torch.cuda.is_available():
     pytest.skip("no CUDA GPU", allow_module_level=True)
 
 T = importlib.import_module("nvfp4lab.te")
-P = importlib.import_module("nvfp4lab.probe")
+P = importlib.import_module("nvfp4lab.capabilities")
 
 try:
     te = T.require_te()

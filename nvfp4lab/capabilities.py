@@ -49,6 +49,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from .precisions import FORMAT_KEYS as PRECISION_FORMAT_KEYS
+from .precisions import get_precision
+
 __all__ = [
     "TE_INSTALL_COMMAND",
     "TE_PINNED_VERSION",
@@ -74,36 +77,16 @@ TE_PINNED_VERSION = "2.20.2"
 #: machine with CUDA >= 12.1 and a C++17 compiler for the ``transformer-engine-torch`` sdist.
 TE_INSTALL_COMMAND = f'pip install --no-build-isolation "transformer-engine[pytorch]=={TE_PINNED_VERSION}"'
 
-#: Format keys, in the order they are reported.
-FORMAT_KEYS = ("bf16", "fp8-delayed", "fp8-current", "fp8-block", "mxfp8", "nvfp4")
+#: Format keys, in the order they are reported (the precision table's hardware formats).
+FORMAT_KEYS = PRECISION_FORMAT_KEYS
 
 #: nvfp4lab's execution modes, best first.
 MODES = ("native-te", "fast-emulation", "cpu-emulation")
 
-_LABELS = {
-    "bf16": "BF16",
-    "fp8-delayed": "FP8 delayed scaling",
-    "fp8-current": "FP8 current scaling",
-    "fp8-block": "FP8 block scaling",
-    "mxfp8": "MXFP8",
-    "nvfp4": "NVFP4",
-}
-_TE_RECIPES = {
-    "bf16": None,
-    "fp8-delayed": "DelayedScaling",
-    "fp8-current": "Float8CurrentScaling",
-    "fp8-block": "Float8BlockScaling",
-    "mxfp8": "MXFP8BlockScaling",
-    "nvfp4": "NVFP4BlockScaling",
-}
+_LABELS = {k: get_precision(k).label for k in FORMAT_KEYS}
+_TE_RECIPES = {k: get_precision(k).te_recipe for k in FORMAT_KEYS}
 # Which of TE's availability functions answers for which format.
-_TE_CHECK_FOR_FORMAT = {
-    "fp8-delayed": "fp8",
-    "fp8-current": "fp8",
-    "fp8-block": "fp8_block_scaling",
-    "mxfp8": "mxfp8",
-    "nvfp4": "nvfp4",
-}
+_TE_CHECK_FOR_FORMAT = {k: get_precision(k).te_check for k in FORMAT_KEYS if get_precision(k).te_check}
 #: TE's availability functions (``transformer_engine.pytorch.<name>``), by check name.
 TE_CHECK_FUNCTIONS = {
     "fp8": "is_fp8_available",
@@ -813,7 +796,7 @@ def run_probe_command(args: argparse.Namespace) -> int:
 
 
 def main_probe(argv: Sequence[str] | None = None) -> int:
-    """Stand-alone entry point: ``python -m nvfp4lab.probe [--json]``. Returns the exit status."""
+    """Stand-alone entry point: ``python -m nvfp4lab.capabilities [--json]``. Returns the exit status."""
     parser = _build_parser(argparse.ArgumentParser(prog="nvfp4lab probe", description=_DESCRIPTION))
     args = parser.parse_args(list(argv) if argv is not None else None)
     return args.func(args)
