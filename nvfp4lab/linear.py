@@ -47,7 +47,6 @@ options and the SR generator state used, so tests can check them bit for bit aga
 from __future__ import annotations
 
 import contextlib
-import re
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
@@ -57,7 +56,7 @@ import torch.nn.functional as F
 
 from .fp8 import FP8Linear, FP8Recipe
 from .precisions import EMULATED, canonical_name
-from .recipe import NVFP4Recipe
+from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
 
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
@@ -472,7 +471,6 @@ class NVFP4Linear(nn.Linear):
 # ----------------------------------------------------------------------------- model conversion
 #: Default pattern for "this linear belongs to transformer block i": ``blocks.3.``, ``h.3.``,
 #: ``layers.3.`` (nanoGPT, HF GPT-2, Llama naming).
-DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\."
 
 
 def _linear_layers(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -526,13 +524,8 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
     if precision in ("fp32", "bf16"):
         return model
 
-    pattern = re.compile(block_pattern)
     layers = _linear_layers(model)
-    block_of = {}
-    for name, _ in layers:
-        m = pattern.search(name + ".")
-        block_of[name] = int(m.group(1)) if m else None
-    indices = sorted({b for b in block_of.values() if b is not None})
+    indices = sorted({b for name, _ in layers if (b := block_index(name, block_pattern)) is not None})
     if not indices:
         raise ValueError(f"no transformer blocks found in the model (no linear layer name matches "
                          f"{block_pattern!r}); pass block_pattern=")
@@ -541,16 +534,14 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
     if canonical_name(precision) == "fp8-current":
         fp8_recipe = fp8_recipe if fp8_recipe is not None else FP8Recipe()
         for name, layer in layers:
-            if block_of[name] is not None:
+            if layer_is_quantized(name, precision, num_blocks, block_pattern=block_pattern):
                 _set_module(model, name, FP8Linear.from_linear(layer, recipe=fp8_recipe))
         return model
 
     recipe = recipe if recipe is not None else NVFP4Recipe()
     recipe.check_num_blocks(num_blocks)
     for i, (name, layer) in enumerate(layers):
-        b = block_of[name]
-        chosen = recipe.quantize_lm_head if b is None else recipe.block_is_quantized(b, num_blocks)
-        if chosen:
+        if layer_is_quantized(name, precision, num_blocks, recipe, block_pattern=block_pattern):
             # without a shared generator, layer i gets its own stream seeded with seed + i
             _set_module(model, name, NVFP4Linear.from_linear(
                 layer, recipe=recipe, generator=generator, seed=seed + i, quantizer=quantizer, name=name))

@@ -26,10 +26,13 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
-__all__ = ["NVFP4Recipe", "QUANTIZATION_ROLES"]
+from .precisions import canonical_name, get_precision
+
+__all__ = ["NVFP4Recipe", "QUANTIZATION_ROLES", "DEFAULT_BLOCK_PATTERN", "block_index", "layer_is_quantized"]
 
 #: The quantization roles of a linear layer, see :meth:`NVFP4Recipe.quantize_options`.
 QUANTIZATION_ROLES = (
@@ -213,3 +216,49 @@ class NVFP4Recipe:
         head = "head NVFP4" if self.quantize_lm_head else "head BF16"
         return (f"{'+'.join(parts) or 'no RHT/SR/2D'}, BF16 blocks first "
                 f"{self.bf16_first_layers}/last {self.bf16_last_layers}, {head}")
+
+
+#: Where a module name carries its transformer-block index: ``blocks.3.mlp.fc`` (nvfp4lab's GPT),
+#: ``h.3.`` (GPT-2 in Hugging Face), ``layers.3.`` (LLaMA); group 1 is the index.
+DEFAULT_BLOCK_PATTERN = r"(?:^|\.)(?:blocks|h|layers)\.(\d+)\."
+
+
+def block_index(name: str, block_pattern: str = DEFAULT_BLOCK_PATTERN) -> int | None:
+    """The transformer-block index in a module name (``"blocks.3.mlp.fc"`` -> 3), or ``None``
+    for a layer outside the blocks (the LM head)."""
+    m = re.search(block_pattern, name + ".")
+    return int(m.group(1)) if m else None
+
+
+def layer_is_quantized(name: str, precision: str, num_blocks: int, recipe: "NVFP4Recipe | None" = None, *,
+                       block_pattern: str = DEFAULT_BLOCK_PATTERN) -> bool:
+    """Whether the linear layer ``name`` runs its GEMMs in ``precision``'s low-precision format.
+
+    The one rule for which layers are quantized, used by :func:`nvfp4lab.convert_model`, the TE
+    model (:func:`nvfp4lab.te_model.quantized_blocks`) and the book's memory count:
+
+    * ``fp32`` / ``bf16``: none;
+    * FP8 and MXFP8 recipes: every linear layer inside the transformer blocks (TE quantizes every
+      ``te.Linear`` under its autocast; the LM head is plain torch and stays high precision);
+    * ``nvfp4`` / ``nvfp4-reference``: the layers of the blocks the recipe quantizes (all but its
+      ``bf16_first_layers`` and ``bf16_last_layers``; paper §4.1 keeps about 15% of the linear layers,
+      mostly the last blocks, in BF16), and the LM head only if ``recipe.quantize_lm_head``.
+
+    Args:
+        name: module name (``"blocks.3.attn.qkv"``; see :func:`block_index`).
+        precision: a name of :mod:`nvfp4lab.precisions` (aliases accepted).
+        num_blocks: transformer blocks in the model.
+        recipe: the NVFP4 recipe (default ``NVFP4Recipe()``); ignored for other precisions.
+        block_pattern: regex whose group 1 is the block index.
+
+    Raises:
+        ValueError: unknown precision, or a block index outside ``num_blocks``.
+    """
+    p = canonical_name(precision)
+    if get_precision(p).te_recipe is None:
+        return False
+    b = block_index(name, block_pattern)
+    if p not in ("nvfp4", "nvfp4-reference"):
+        return b is not None
+    recipe = NVFP4Recipe() if recipe is None else recipe
+    return recipe.quantize_lm_head if b is None else recipe.block_is_quantized(b, num_blocks)

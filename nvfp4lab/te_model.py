@@ -108,7 +108,7 @@ import torch.nn.functional as F
 
 from .precisions import TE_BACKEND, canonical_name, get_precision
 from .model import GPT, GPTConfig
-from .recipe import NVFP4Recipe
+from .recipe import NVFP4Recipe, layer_is_quantized
 
 __all__ = [
     "TE_PRECISIONS",
@@ -209,7 +209,7 @@ def quantized_blocks(precision: str, n_layer: int, recipe: NVFP4Recipe | None = 
         raise ValueError("--backend te keeps the LM head in plain-torch BF16 (outside TE); "
                          "quantize_lm_head=True needs --backend nvfp4lab")
     recipe.check_num_blocks(n_layer)
-    return [recipe.block_is_quantized(i, n_layer) for i in range(n_layer)]
+    return [layer_is_quantized(f"blocks.{i}", precision, n_layer, recipe) for i in range(n_layer)]
 
 
 def gpt_to_te_state_dict(state_dict: Mapping[str, torch.Tensor],

@@ -338,3 +338,22 @@ def test_recipe_misc_errors_and_te_env():
     assert r.disable_rht and not r.disable_2d_quantization and not r.disable_stochastic_rounding
     with pytest.raises(ValueError, match="NVTE_NVFP4_DISABLE_RHT"):
         NVFP4Recipe.from_te_env({"NVTE_NVFP4_DISABLE_RHT": "yes"})
+
+
+def test_one_layer_selection_rule():
+    """convert_model and the TE model builder select exactly the layers of recipe.layer_is_quantized."""
+    from nvfp4lab.recipe import layer_is_quantized
+    from nvfp4lab.te_model import quantized_blocks
+
+    cfg = get_preset("ci")                       # 3 blocks: first and last stay BF16 by default
+    assert [layer_is_quantized(f"blocks.{i}.mlp.fc", "nvfp4", 3) for i in range(3)] == [False, True, False]
+    assert [layer_is_quantized(f"blocks.{i}.mlp.fc", "fp8", 3) for i in range(3)] == [True, True, True]
+    assert not any(layer_is_quantized(n, p, 3) for n in ("lm_head", "blocks.1.attn.qkv") for p in ("bf16", "fp32"))
+    assert not layer_is_quantized("lm_head", "fp8-block", 3)
+    assert layer_is_quantized("lm_head", "nvfp4", 3, NVFP4Recipe(quantize_lm_head=True))
+    for precision, recipe in (("nvfp4", NVFP4Recipe()), ("nvfp4", NVFP4Recipe(bf16_first_layers=0)), ("fp8", None)):
+        model = convert_model(GPT(cfg), precision, recipe)
+        got = {name: p != "high" for name, p in layer_precisions(model).items()}
+        assert got == {name: layer_is_quantized(name, precision, cfg.n_layer, recipe) for name in got}
+        assert quantized_blocks(precision, cfg.n_layer, recipe) == [
+            layer_is_quantized(f"blocks.{i}.attn.qkv", precision, cfg.n_layer, recipe) for i in range(cfg.n_layer)]
