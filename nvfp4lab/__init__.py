@@ -13,6 +13,8 @@ The numerics live in one module per concept:
 * :mod:`nvfp4lab.model`, :mod:`nvfp4lab.data`, :mod:`nvfp4lab.train`   a small GPT, the corpus, training
 * :mod:`nvfp4lab.capabilities` (the function ``nvfp4lab.probe``), :mod:`nvfp4lab.te`, :mod:`nvfp4lab.te_model`   hardware probe, Transformer Engine
 * :mod:`nvfp4lab.kernels`   Triton kernels used automatically on CUDA
+* :mod:`nvfp4lab.provenance`, :mod:`nvfp4lab.precisions`, :mod:`nvfp4lab.testing`   result-file environment,
+  the precision table, bit-equality assertions
 
 Nothing imported here needs a GPU or Transformer Engine.
 """

@@ -20,6 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from nvfp4lab import kernels  # noqa: E402
+from nvfp4lab.testing import assert_nvfp4_equal
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.quantize import block_encode_scales, nvfp4_matmul, quantize  # noqa: E402
 
@@ -35,14 +36,6 @@ FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "te_golden.pt")
 def _x(shape, dtype, seed=0, scale=3.0):
     g = torch.Generator().manual_seed(seed)
     return (torch.randn(shape, generator=g) * scale).to(dtype)
-
-
-def _same(a, b):
-    assert a is not None
-    assert a.shape == b.shape and a.block == b.block and a.rht == b.rht and a.dtype == b.dtype
-    assert torch.equal(a.data, b.data), "packed codes"
-    assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)), "scale bytes"
-    assert a.amax.shape == b.amax.shape and torch.equal(a.amax, b.amax), "amax"
 
 
 # ----------------------------------------------------------------------------- numerics helpers
@@ -118,19 +111,19 @@ def test_quantize_fast_bit_exact(shape, dtype, block, rht):
     if rht and shape[-1] % 16:
         assert kernels.quantize_fast(x, rht=True) is None  # the reference raises ValueError
         return
-    _same(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
+    assert_nvfp4_equal(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
 
 
 def test_float16_and_given_amax_and_signs():
     x = _x((32, 64), torch.float16)
-    _same(kernels.quantize_fast(x), quantize(x))
+    assert_nvfp4_equal(kernels.quantize_fast(x), quantize(x))
     assert kernels.quantize_fast(x, rht=True) is None  # fp16 + RHT: reference path
     y = _x((32, 64), torch.float32)
     for amax in (1.5, torch.tensor(20.0), torch.tensor([0.0])):
-        _same(kernels.quantize_fast(y, amax=amax), quantize(y, amax=amax))
-    _same(kernels.quantize_fast(y, rht=True, rht_signs=None), quantize(y, rht=True, rht_signs=None))
+        assert_nvfp4_equal(kernels.quantize_fast(y, amax=amax), quantize(y, amax=amax))
+    assert_nvfp4_equal(kernels.quantize_fast(y, rht=True, rht_signs=None), quantize(y, rht=True, rht_signs=None))
     signs = torch.tensor([1.0, -1.0] * 8)
-    _same(kernels.quantize_fast(y, rht=True, rht_signs=signs), quantize(y, rht=True, rht_signs=signs))
+    assert_nvfp4_equal(kernels.quantize_fast(y, rht=True, rht_signs=signs), quantize(y, rht=True, rht_signs=signs))
 
 
 @pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
@@ -141,7 +134,7 @@ def test_non_contiguous(block, rht, dtype):
     for v in views:
         if rht and v.shape[-1] % 16:
             continue
-        _same(kernels.quantize_fast(v, block=block, rht=rht), quantize(v, block=block, rht=rht))
+        assert_nvfp4_equal(kernels.quantize_fast(v, block=block, rht=rht), quantize(v, block=block, rht=rht))
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (48, 80), (3, 16, 48), (40, 24)], ids=str)
@@ -155,20 +148,20 @@ def test_fused_rowwise_columnwise(shape, dtype, block, rht):
         assert out is None
         return
     row, col = out
-    _same(row, quantize(x, block=block))
-    _same(col, quantize(x2.t(), block=block, rht=rht))
+    assert_nvfp4_equal(row, quantize(x, block=block))
+    assert_nvfp4_equal(col, quantize(x2.t(), block=block, rht=rht))
 
 
 def test_fused_given_amax_and_fallback():
     x = _x((32, 64), torch.bfloat16)
     row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=True, amax=7.0, amax_t=torch.tensor(9.0))
-    _same(row, quantize(x, amax=7.0))
-    _same(col, quantize(x.t(), rht=True, amax=9.0))
+    assert_nvfp4_equal(row, quantize(x, amax=7.0))
+    assert_nvfp4_equal(col, quantize(x.t(), rht=True, amax=9.0))
     x64 = x.double()
     assert kernels.fused_quantize_rowwise_columnwise(x64, fallback=False) is None
     row, col = kernels.fused_quantize_rowwise_columnwise(x64, rht=True)
-    _same(row, quantize(x64))
-    _same(col, quantize(x64.t(), rht=True))
+    assert_nvfp4_equal(row, quantize(x64))
+    assert_nvfp4_equal(col, quantize(x64.t(), rht=True))
 
 
 def test_golden_special_inputs():
@@ -181,9 +174,9 @@ def test_golden_special_inputs():
         x = inputs[name]
         x2 = x.reshape(-1, x.shape[-1])
         for block, rht in CONFIGS:
-            _same(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
+            assert_nvfp4_equal(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
         if x2.shape[0] % 16 == 0:  # columnwise (16-slice kernel) with the RHT
-            _same(kernels.quantize_fast(x2.t(), rht=True), quantize(x2.t(), rht=True))
+            assert_nvfp4_equal(kernels.quantize_fast(x2.t(), rht=True), quantize(x2.t(), rht=True))
 
 
 def test_negative_zero_and_underflowed_scale():
@@ -192,7 +185,7 @@ def test_negative_zero_and_underflowed_scale():
     x[1, :16] = 1e-3  # block scale underflows to 0 next to a large block: codes ±6, scale 0
     x[1, 16] = 1e4
     x[2, :16] = -1e-3
-    _same(kernels.quantize_fast(x), quantize(x))
+    assert_nvfp4_equal(kernels.quantize_fast(x), quantize(x))
     assert int(kernels.quantize_fast(x).data[0, 0]) == 0  # exact -0.0 -> code 0, as TE's reference
 
 
@@ -252,9 +245,9 @@ def test_one_block_per_thread_kernels_equal_tile_kernels(monkeypatch, shape, dty
         outs.append((kernels.quantize_fast(x), kernels.quantize_fast(x, rounding="stochastic", generator=g),
                      kernels.block_values_bf16(q2), kernels.block_values_bf16(quantize(x))))
     (rne, sr, bv2, bv1), (rne_t, sr_t, bv2_t, bv1_t) = outs
-    _same(rne, quantize(x))
-    _same(rne, rne_t)
-    _same(sr, sr_t)
+    assert_nvfp4_equal(rne, quantize(x))
+    assert_nvfp4_equal(rne, rne_t)
+    assert_nvfp4_equal(sr, sr_t)
     assert torch.equal(bv2, bv2_t) and torch.equal(bv1, bv1_t)
 
 
@@ -277,8 +270,8 @@ def test_kernels_write_block_values_with_the_codes(shape, dtype, kw):
         assert col1.values_bf16.data_ptr() == row1.values_bf16.data_ptr()
     if kw.get("rounding") != "stochastic":
         row0, col0 = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, **kw)
-        _same(row, row0)
-        _same(col, col0)
+        assert_nvfp4_equal(row, row0)
+        assert_nvfp4_equal(col, col0)
         assert row0.values_bf16 is None and col0.values_bf16 is None
 
 
@@ -365,7 +358,7 @@ def test_nvfp4linear_fused_path_records_operands():
     assert sorted((o.gemm, o.operand) for o in ops) == sorted(
         [("fprop", "x"), ("wgrad", "xt"), ("fprop", "w"), ("dgrad", "wt"), ("dgrad", "dy"), ("wgrad", "dyt")])
     for o in ops:
-        _same(o.tensor, quantize(o.source, **o.options))
+        assert_nvfp4_equal(o.tensor, quantize(o.source, **o.options))
 
 
 # ----------------------------------------------------------------------------- stochastic rounding
@@ -469,7 +462,7 @@ def test_rht_fp32_butterfly_mode_is_close_for_bf16():
             q = kernels.quantize_fast(x, rht=True)
     finally:
         kernels.RHT_F64 = old
-    _same(q, quantize(x, rht=True))
+    assert_nvfp4_equal(q, quantize(x, rht=True))
 
 
 @triton.jit
@@ -511,8 +504,8 @@ def test_fused_single_kernel_mode(monkeypatch, dtype, rht):
     monkeypatch.setattr(kernels, "FUSE_ROW_COL", True)
     x = _x((48, 80), dtype, seed=4)
     row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=rht, fallback=False)
-    _same(row, quantize(x))
-    _same(col, quantize(x.t(), rht=rht))
+    assert_nvfp4_equal(row, quantize(x))
+    assert_nvfp4_equal(col, quantize(x.t(), rht=rht))
     n = 32
     xr = _x((32, 16), dtype, seed=5).repeat(1, n)
     monkeypatch.setitem(kernels.CONFIG, "slices_both", dict(G=2, BK=512, num_warps=4))

@@ -7,6 +7,7 @@ recipe prescribes (spec sections 3-6), written out here independently of the rec
 
 from __future__ import annotations
 
+import functools
 import math
 
 import pytest
@@ -26,16 +27,10 @@ from nvfp4lab.linear import (
 from nvfp4lab.model import GPT, get_preset
 from nvfp4lab.quantize import nvfp4_matmul, quantize
 from nvfp4lab.recipe import NVFP4Recipe
+from nvfp4lab.testing import assert_nvfp4_equal
 
 
-def assert_same_quant(actual, expected):
-    """Bit-identical NVFP4 tensors: packed codes, E4M3 scale bytes, amax, shape and flags."""
-    assert actual.shape == expected.shape
-    assert actual.block == expected.block and actual.rht == expected.rht
-    assert torch.equal(actual.data, expected.data)
-    assert torch.equal(actual.scale.view(torch.uint8), expected.scale.view(torch.uint8))
-    assert torch.equal(actual.amax, expected.amax)
-
+assert_same_quant = functools.partial(assert_nvfp4_equal, check_dtype=False)
 
 def gen_from(state):
     g = torch.Generator()

@@ -344,3 +344,23 @@ def test_block_decode_scales_keeps_subnormals():
     s = block_decode_scales(T([0.02, 0.0]), T(448.0 * 6))  # S_enc = 1: scales 0.02/6 and 0
     assert s.float().tolist()[1] == 0.0
     assert 0 < s.float().tolist()[0] < 2.0**-6  # subnormal kept, no floor (unlike torchao)
+
+
+def test_assert_nvfp4_equal_names_the_first_difference():
+    import dataclasses
+
+    from nvfp4lab.testing import assert_nvfp4_equal
+
+    x = torch.randn(32, 64)
+    q = quantize(x)
+    assert_nvfp4_equal(q, quantize(x.clone()))
+    data = q.data.clone()
+    data[3, 5] ^= 1                                           # one bit of one code
+    with pytest.raises(AssertionError, match=r"packed E2M1 codes: 1 of 1024 differ, first at \(3, 5\)"):
+        assert_nvfp4_equal(dataclasses.replace(q, data=data), q)
+    with pytest.raises(AssertionError, match="amax"):
+        assert_nvfp4_equal(quantize(x, amax=q.amax * 2), q)
+    with pytest.raises(AssertionError, match="block"):
+        assert_nvfp4_equal(quantize(x, block="2d"), q)
+    with pytest.raises(AssertionError, match="got None"):
+        assert_nvfp4_equal(None, q)

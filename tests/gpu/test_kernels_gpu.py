@@ -7,6 +7,7 @@ checks against the CPU path and TE's reference. Comparisons are exact: packed by
 bytes, amax bits. SR is checked statistically, as TE's test_nvfp4_sr_quantize.py does.
 """
 
+import functools
 import pytest
 import torch
 
@@ -15,6 +16,7 @@ pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
 from nvfp4lab import kernels  # noqa: E402
+from nvfp4lab.testing import assert_nvfp4_equal
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.hadamard import random_hadamard_transform  # noqa: E402
 from nvfp4lab.quantize import block_encode_scales, nvfp4_matmul, quantize  # noqa: E402
@@ -42,14 +44,7 @@ def _ref(x, **kw):
         return quantize(x, **kw)
 
 
-def _same(a, b):
-    assert a is not None, "fast path declined"
-    assert a.shape == b.shape and a.block == b.block and a.rht == b.rht
-    assert torch.equal(a.amax, b.amax), f"amax {a.amax.item()} vs {b.amax.item()}"
-    assert torch.equal(a.scale.view(torch.uint8), b.scale.view(torch.uint8)), "scale bytes"
-    diff = (a.data != b.data).sum().item()
-    assert diff == 0, f"{diff} packed bytes differ"
-
+_same = functools.partial(assert_nvfp4_equal, check_dtype=False)
 
 @pytest.mark.parametrize("shape", TE_SHAPES + ODD_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)

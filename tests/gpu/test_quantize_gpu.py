@@ -4,10 +4,12 @@ Run on a GPU machine: ``pytest -m gpu tests/gpu``. The TE comparison needs
 Transformer Engine 2.20 installed and is skipped otherwise.
 """
 
+import functools
 import pytest
 import torch
 
 from nvfp4lab import quantize
+from nvfp4lab.testing import assert_nvfp4_equal
 
 pytestmark = pytest.mark.gpu
 
@@ -17,11 +19,7 @@ TE_SHAPES = [(128, 128), (256, 256), (256, 1024), (1024, 256), (256, 272), (304,
 CPU_SHAPES = [(128, 128), (256, 272), (304, 304), (1024, 2048), (3, 40, 48), (17, 33)]
 
 
-def _same(a, b):
-    assert torch.equal(a.data.cpu(), b.data.cpu())
-    assert torch.equal(a.scale.view(torch.uint8).cpu(), b.scale.view(torch.uint8).cpu())
-    assert torch.equal(a.amax.cpu(), b.amax.cpu())
-
+_same = functools.partial(assert_nvfp4_equal, check_dtype=False)
 
 @pytest.mark.parametrize("shape", CPU_SHAPES, ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
