@@ -98,6 +98,8 @@ import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+from nvfp4lab.timing import per_call_ms  # noqa: E402 - importing nvfp4lab queries no cuDNN (see main)
+
 SCHEMA = "nvfp4lab.te_gpu_report/1"
 JSON_NAME = "te_gpu.json"
 PNG_NAME = "te_gpu.png"
@@ -625,37 +627,16 @@ def section_reference(args) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- linear timings
-def _time(step: Callable[[], None], iters: int, warmup: int, device: torch.device) -> list[float]:
-    """Milliseconds per call of ``step`` (CUDA events around each call after ``warmup`` calls)."""
-    for _ in range(warmup):
-        step()
-    _sync(device)
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            step()
-            b.record()
-            b.synchronize()
-            times.append(a.elapsed_time(b))
-        else:
-            t0 = time.perf_counter()
-            step()
-            times.append(1e3 * (time.perf_counter() - t0))
-    return times
-
-
 def _device_baselines(device: torch.device, smoke: bool) -> dict[str, Any]:
     n = 1 << (18 if smoke else 28)  # fp32 elements per buffer: 1 MiB (smoke) or 1 GiB
     src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
-    t = _time(lambda: dst.copy_(src), 5 if smoke else 20, 2, device)
+    t = per_call_ms(lambda: dst.copy_(src), device, iters=5 if smoke else 20, warmup=2)
     copy = 2 * src.numel() * 4 / (statistics.median(t) * 1e-3) / 1e9
     s = 256 if smoke else 8192
     a = torch.randn(s, s, device=device, dtype=torch.bfloat16)
     b = torch.randn(s, s, device=device, dtype=torch.bfloat16)
-    t = _time(lambda: a @ b, 3 if smoke else 20, 2, device)
+    t = per_call_ms(lambda: a @ b, device, iters=3 if smoke else 20, warmup=2)
     return {"copy_gb_s": copy, "copy_bytes_moved": 2 * src.numel() * 4,
             "bf16_matmul_tflops": 2 * s**3 / (statistics.median(t) * 1e-3) / 1e12, "bf16_matmul_size": s}
 
@@ -717,7 +698,7 @@ def section_linear_timings(args, device: torch.device) -> dict[str, Any]:
     for name, make in configs:
         try:
             step, n_iter, n_warm = make()
-            times = _time(step, n_iter, n_warm, device)
+            times = per_call_ms(step, device, iters=n_iter, warmup=n_warm)
             med = statistics.median(times)
             results[name] = {"status": "ok", "median_ms": med, "min_ms": min(times), "iters": n_iter,
                              "warmup": n_warm, "tflops": flops / (med * 1e-3) / 1e12}

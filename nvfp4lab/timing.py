@@ -1,0 +1,108 @@
+"""Timing a callable on the CPU or a CUDA GPU: the one timer of the benchmarks, the GPU report and the book.
+
+Three ways, for three questions:
+
+* :func:`per_call_ms` / :func:`median_ms`: each call timed on its own (CUDA events around it on a
+  GPU, ``time.perf_counter`` on the CPU) after warm-up calls. What a user calling the function
+  from Python gets, launch overhead included.
+* :func:`bench_ms`: the median of many back-to-back calls with the L2 cache flushed in between
+  (``triton.testing.do_bench`` on a GPU; the per-call median on the CPU). A kernel's own time.
+* :func:`graph_ms`: the callable captured once in a CUDA graph and the replay timed with
+  :func:`bench_ms`: the GPU time of its kernels without Python or launch overhead.
+
+All return milliseconds. On a GPU they synchronize, so none of them can run inside a capture.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from typing import Any, Callable, Sequence
+
+import torch
+
+__all__ = ["per_call_ms", "median_ms", "bench_ms", "graph_ms"]
+
+
+def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, warmup: int = 1) -> list[float]:
+    """Milliseconds of each of ``iters`` calls of ``fn``, after ``warmup`` untimed calls.
+
+    Args:
+        fn: the work, called with no arguments.
+        device: where it runs: CUDA events around each call on ``"cuda"`` (the call's GPU time
+            as the stream sees it, including any gaps while Python launches kernels), wall clock on
+            ``"cpu"``.
+        iters: timed calls (>= 1).
+        warmup: untimed calls first (compilation, autotuning, allocator warm-up).
+
+    Raises:
+        ValueError: ``iters < 1`` or ``warmup < 0``.
+    """
+    if iters < 1 or warmup < 0:
+        raise ValueError(f"per_call_ms needs iters >= 1 and warmup >= 0, got {iters} and {warmup}")
+    cuda = torch.device(device).type == "cuda"
+    for _ in range(warmup):
+        fn()
+    if cuda:
+        torch.cuda.synchronize()
+    times = []
+    for _ in range(iters):
+        if cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        else:
+            t0 = time.perf_counter()
+            fn()
+            times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def median_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, warmup: int = 1) -> float:
+    """The median of :func:`per_call_ms` (same arguments and errors)."""
+    return statistics.median(per_call_ms(fn, device, iters=iters, warmup=warmup))
+
+
+def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, rep_ms: int = 200) -> float:
+    """Median milliseconds of ``fn`` run back to back: a kernel's own time.
+
+    On CUDA: ``triton.testing.do_bench`` (``rep_ms`` milliseconds of repeats after a warm-up of an
+    eighth of that, at least 25 ms; the L2 cache flushed between repeats; median). On the CPU:
+    :func:`median_ms` with ``repeat`` timed calls after one warm-up call.
+    """
+    if torch.device(device).type == "cuda":
+        import triton.testing
+
+        return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 8), rep=rep_ms, return_mode="median"))
+    return median_ms(fn, device, iters=repeat, warmup=1)
+
+
+def graph_ms(fn: Callable[[], Any], *, rep_ms: int = 200, generators: Sequence[torch.Generator] = (),
+             warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed (:func:`bench_ms`).
+
+    ``fn`` first runs ``warmup`` times on a side stream (Triton compiles, cuBLAS picks algorithms),
+    then once under ``torch.cuda.graph``. ``generators``: custom CUDA generators ``fn`` draws from,
+    registered with the graph so that every replay draws fresh numbers.
+
+    Raises:
+        What the capture raises (e.g. a host synchronization inside ``fn``).
+    """
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    for gen in generators:
+        graph.register_generator_state(gen)
+    with torch.cuda.graph(graph):
+        fn()
+    ms = bench_ms(graph.replay, "cuda", rep_ms=rep_ms)
+    del graph
+    return ms

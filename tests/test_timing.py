@@ -1,0 +1,25 @@
+"""nvfp4lab.timing on the CPU (the CUDA paths run in tests/gpu)."""
+
+import time
+
+import pytest
+
+from nvfp4lab.timing import bench_ms, median_ms, per_call_ms
+
+
+def test_per_call_counts_calls_and_measures_sleep():
+    calls = []
+
+    def work():
+        calls.append(1)
+        time.sleep(0.002)
+
+    times = per_call_ms(work, "cpu", iters=5, warmup=2)
+    assert len(calls) == 7 and len(times) == 5
+    assert all(t >= 2.0 for t in times)                   # a 2 ms sleep never takes less
+    assert median_ms(work, "cpu", iters=3) >= 2.0 and bench_ms(work, "cpu", repeat=3) >= 2.0
+
+
+def test_per_call_rejects_bad_counts():
+    with pytest.raises(ValueError, match="iters >= 1"):
+        per_call_ms(lambda: None, "cpu", iters=0)
