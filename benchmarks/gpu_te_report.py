@@ -79,11 +79,11 @@ import argparse
 import contextlib
 import datetime as dt
 import json
-import math
 import os
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 import traceback
 import types
@@ -96,7 +96,6 @@ if str(ROOT) not in sys.path:
 
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
-import torch.nn.functional as F  # noqa: E402
 
 from nvfp4lab.timing import per_call_ms  # noqa: E402 - importing nvfp4lab queries no cuDNN (see main)
 
@@ -280,146 +279,56 @@ def section_nvfp4_refusal(args) -> dict[str, Any]:
 
 
 # ----------------------------------------------------------------------------- training
-def _train_one(spec: dict[str, Any], setup: dict[str, Any], data, device: torch.device) -> dict[str, Any]:
+def _train_one(spec: dict[str, Any], setup: dict[str, Any], args, device: torch.device, out: Path) -> dict[str, Any]:
+    """One run of ``spec`` through the library's training loop (``nvfp4lab.train``), reported in
+    this file's layout: the loop does the training, CUDA-graph capture and steady-state timing."""
     from nvfp4lab import te as T
-    from nvfp4lab.data import get_batch
-    from nvfp4lab.linear import convert_model, layer_precisions
-    from nvfp4lab.model import GPT
-    from nvfp4lab.recipe import NVFP4Recipe
-    from nvfp4lab.train import GRAPH_WARMUP_STEPS, _param_groups, lr_at
+    from nvfp4lab.precisions import get_precision
+    from nvfp4lab.training import GRAPH_WARMUP_STEPS, NonFiniteError, TrainConfig, train
 
-    cfg, recipe = setup["config"], NVFP4Recipe()
-    backend, precision = spec["backend"], spec["precision"]
-    run: dict[str, Any] = {"backend": backend, "precision": precision, "te_recipe": None}
+    backend, precision, graphed = spec["backend"], spec["precision"], bool(spec.get("graph"))
+    if backend == "te" and device.type != "cuda":
+        raise Skip("--backend te needs a CUDA GPU")
+    if graphed and device.type != "cuda":
+        raise Skip("CUDA-graph runs need a CUDA GPU")
     if device.type == "cuda":
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
-    torch.manual_seed(setup["seed"])
-    t_start = time.perf_counter()
-    sr_gen = None
-    if backend == "te":
-        if device.type != "cuda":
-            raise Skip("--backend te needs a CUDA GPU")
-        from nvfp4lab.te_model import build_te_model
-
-        try:
-            model = build_te_model(cfg, precision, recipe, device=device)
-        except T.TransformerEngineUnavailable as exc:
-            raise Skip(f"Transformer Engine unavailable: {str(exc).splitlines()[0]}") from None
-        run["te_recipe"] = type(model.te_recipe).__name__ if model.te_recipe is not None else None
-        run["layers"] = model.layer_counts()
-    else:
-        model = GPT(cfg).to(device)
-        sr_gen = torch.Generator(device=device).manual_seed(setup["seed"] + 1_000_003)
-        if precision != "nvfp4":
-            sr_gen = None  # nothing draws from it
-        convert_model(model, precision, recipe, generator=sr_gen)
-        counts: dict[str, int] = {"nvfp4": 0, "fp8": 0, "high": 0}
-        for v in layer_precisions(model).values():
-            counts[v] = counts.get(v, 0) + 1
-        run["layers"] = counts
-    graphed = bool(spec.get("graph"))
-    if graphed and (device.type != "cuda" or backend != "nvfp4lab"):
-        raise Skip("CUDA-graph runs need a CUDA GPU and the nvfp4lab backend")
-    # capturable AdamW with a tensor learning rate: the optimizer step can live in a CUDA graph
-    opt = torch.optim.AdamW(_param_groups(model, 0.1), betas=(0.9, 0.95), eps=1e-8,
-                            lr=torch.tensor(setup["lr"], device=device) if graphed else setup["lr"],
-                            capturable=graphed)
-    params = [p for g in opt.param_groups for p in g["params"]]
-    data_gen = torch.Generator().manual_seed(setup["seed"] + 2_000_003)
-
-    def amp():
-        return (torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=not graphed)
-                if precision != "fp32" else contextlib.nullcontext())
-
-    def set_lr(step: int) -> None:
-        lr = lr_at(step, lr=setup["lr"], steps=steps, warmup_steps=setup["warmup_steps"], min_lr_frac=0.1)
-        for g in opt.param_groups:
-            if graphed:
-                g["lr"].fill_(lr)
-            else:
-                g["lr"] = lr
-
-    def train_step(x, y):
-        opt.zero_grad(set_to_none=True)
-        with amp():
-            _, loss = model(x, y)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
-        opt.step()
-        return loss.detach()
-
-    graph = static = None
+    cfg = TrainConfig(
+        preset=setup["preset"], precision=precision, backend=backend, steps=setup["steps"],
+        batch_size=setup["batch_size"], seq_len=setup["seq_len"], lr=setup["lr"],
+        warmup_steps=setup["warmup_steps"], eval_interval=setup["eval_every"], eval_batches=setup["eval_batches"],
+        seed=setup["seed"], text=args.text, device=str(device), cuda_graph=graphed, graph_optimizer=graphed,
+        timing_warmup_steps=setup["timing_skip"], log_interval=1, checkpoint_interval=0, progress=False,
+        plot=False, name=spec["name"], out=str(out / spec["name"]))
+    try:
+        r = train(cfg)
+        status, error = "ok", None
+    except T.TransformerEngineUnavailable as exc:
+        raise Skip(f"Transformer Engine unavailable: {str(exc).splitlines()[0]}") from None
+    except NonFiniteError as exc:
+        r, status, error = exc.result, "error", str(exc)
+    records = [json.loads(line) for line in Path(r.metrics_path).read_text().splitlines()]
+    losses = [rec["loss"] for rec in records if rec["type"] == "train"]
+    start = next(rec for rec in records if rec.get("event") == "start")
+    run: dict[str, Any] = {
+        "backend": backend, "precision": precision, "status": status,
+        "te_recipe": get_precision(precision).te_recipe if backend == "te" else None,
+        "layers": r.layers, "train_loss": [round(v, 5) for v in losses],
+        "val_curve": [[s_, round(v, 5)] for s_, v in r.val_curve],
+        "final_train_loss": statistics.fmean(losses[-10:]) if losses else None,
+        "final_val_loss": r.final_val_loss, "tokens_per_s": r.tokens_per_s, "step_ms_median": r.step_ms_median,
+        "wall_s": round(r.wall_time_s, 3), "num_parameters": int(start["params"]),
+        "peak_memory_bytes": r.peak_memory_bytes if device.type == "cuda" else None,
+        "peak_memory_kind": ("torch.cuda.max_memory_allocated (weights, AdamW state, activations)"
+                             if device.type == "cuda" else "not measured on CPU"),
+    }
+    if error:
+        run["error"] = error
     if graphed:
-        run["cuda_graph"] = ("zero_grad + forward + backward + clip + AdamW step captured once after "
-                             f"{GRAPH_WARMUP_STEPS} eager warm-up steps on a side stream, then replayed")
-
-    def evaluate() -> float:
-        model.eval()
-        total = 0.0
-        with torch.no_grad():
-            for x, y in data["val_batches"]:
-                with amp():
-                    _, loss = model(x.to(device), y.to(device))
-                total += float(loss)
-        model.train()
-        return total / len(data["val_batches"])
-
-    steps, losses, step_s, val_curve = setup["steps"], [], [], []
-    model.train()
-    for step in range(steps):
-        set_lr(step)
-        x, y = get_batch(data["train"], setup["batch_size"], setup["seq_len"], data_gen)
-        _sync(device)
-        t0 = time.perf_counter()
-        x, y = x.to(device, non_blocking=True), y.to(device, non_blocking=True)
-        if not graphed:
-            loss = train_step(x, y)
-        elif step < GRAPH_WARMUP_STEPS:  # eager steps on a side stream: Triton compiles, lazy inits
-            side = torch.cuda.Stream(device)
-            side.wait_stream(torch.cuda.current_stream(device))
-            with torch.cuda.stream(side):
-                loss = train_step(x, y)
-            torch.cuda.current_stream(device).wait_stream(side)
-        else:
-            if graph is None:
-                static = (x.clone(), y.clone())
-                graph = torch.cuda.CUDAGraph()
-                if sr_gen is not None:
-                    graph.register_generator_state(sr_gen)  # fresh SR draws on every replay
-                opt.zero_grad(set_to_none=True)
-                with torch.cuda.graph(graph):
-                    static_loss = train_step(*static)
-            static[0].copy_(x)
-            static[1].copy_(y)
-            graph.replay()
-            loss = static_loss
-        value = float(loss)  # synchronizes
-        step_s.append(time.perf_counter() - t0)
-        if not math.isfinite(value):
-            run.update(status="error", error=f"non-finite loss {value} at step {step}")
-            break
-        losses.append(value)
-        if (step + 1) % setup["eval_every"] == 0 or step + 1 == steps:
-            val_curve.append([step + 1, evaluate()])
-    timed = step_s[setup["timing_skip"]:] or step_s
-    run.update(
-        status=run.get("status", "ok"),
-        train_loss=[round(v, 5) for v in losses],
-        val_curve=[[s, round(v, 5)] for s, v in val_curve],
-        final_train_loss=statistics.fmean(losses[-10:]) if losses else None,
-        final_val_loss=val_curve[-1][1] if val_curve else None,
-        tokens_per_s=setup["tokens_per_step"] * len(timed) / sum(timed) if timed else None,
-        step_ms_median=1e3 * statistics.median(timed) if timed else None,
-        wall_s=round(time.perf_counter() - t_start, 3),
-        num_parameters=int(model.num_parameters()),
-    )
-    if device.type == "cuda":
-        run.update(peak_memory_bytes=int(torch.cuda.max_memory_allocated(device)),
-                   peak_memory_kind="torch.cuda.max_memory_allocated (weights, AdamW state, activations)")
-    else:
-        run.update(peak_memory_bytes=None, peak_memory_kind="not measured on CPU")
-    del model, opt
+        run["cuda_graph"] = ("forward + backward + clip + fused AdamW step captured once after "
+                             f"{GRAPH_WARMUP_STEPS} eager warm-up steps on a side stream, then replayed "
+                             "(nvfp4lab.train with cuda_graph=True, graph_optimizer=True)")
     return run
 
 
@@ -444,7 +353,7 @@ def section_training(args, device: torch.device) -> dict[str, Any]:
     import dataclasses
 
     from nvfp4lab import te as T
-    from nvfp4lab.data import ByteTokenizer, load_corpus, split_tokens, validation_batches
+    from nvfp4lab.data import load_corpus
     from nvfp4lab.model import get_preset
 
     cfg = get_preset(args.preset)
@@ -456,17 +365,15 @@ def section_training(args, device: torch.device) -> dict[str, Any]:
         "warmup_steps": max(1, args.train_steps // 10), "eval_every": max(1, args.train_steps // 6),
         "eval_batches": args.eval_batches, "seed": args.seed, "device": str(device),
         "timing_skip": min(10, max(0, args.train_steps - 1)),
+        "loop": "nvfp4lab.train (the library's one training loop); tokens_per_s excludes the first "
+                "timing_skip steps (TrainConfig.timing_warmup_steps)",
         "optimizer": "AdamW(betas=(0.9, 0.95), eps=1e-8, weight_decay=0.1 on matrices), grad clip 1.0, "
                      "linear warm-up (10% of steps) then cosine to 0.1*lr",
         "autocast": "torch.autocast(bfloat16) around the forward pass (FP32 master weights)",
         "nvfp4lab_nvfp4_recipe": "NVFP4Recipe(): RHT + SR + 2D weights, first and last block BF16, head BF16",
     }
-    corpus = load_corpus(args.text)
-    tok = ByteTokenizer()
-    split = split_tokens(tok.encode(corpus.text))
-    data = {"train": split.train,
-            "val_batches": validation_batches(split.val, args.batch_size, cfg.block_size, args.eval_batches)}
-    setup["corpus"] = corpus.describe()
+    setup["corpus"] = load_corpus(args.text).describe()
+    out = Path(tempfile.mkdtemp(prefix="gpu_te_report_runs_"))   # the loop's run folders (not kept)
     runs: dict[str, Any] = {}
     if args.runs:
         wanted = [r for r in TRAIN_RUNS + OPTIONAL_RUNS if r["name"] in args.runs]
@@ -475,7 +382,7 @@ def section_training(args, device: torch.device) -> dict[str, Any]:
     for spec in wanted:
         log(f"  training {spec['name']} ...")
         try:
-            runs[spec["name"]] = _train_one(spec, setup, data, device)
+            runs[spec["name"]] = _train_one(spec, setup, args, device, out)
         except Skip as exc:
             runs[spec["name"]] = {"status": "skipped", "reason": str(exc), **_spec_fields(spec)}
         except T.RecipeNotSupported as exc:  # NVFP4NotSupported included

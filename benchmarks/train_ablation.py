@@ -55,7 +55,7 @@ def _run_one(config_dict: dict, threads: int | None) -> dict:
     """Train one variant (in a worker process or inline) and return its RunResult as a dict."""
     import torch
 
-    from nvfp4lab.train import NonFiniteError, TrainConfig, train
+    from nvfp4lab.training import NonFiniteError, TrainConfig, train
 
     if threads:
         torch.set_num_threads(threads)
@@ -71,7 +71,7 @@ def _plot(runs: dict, baseline: str, png: Path, title: str, noise: dict | None =
     # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
     from matplotlib.figure import Figure
 
-    from nvfp4lab.train import draw_val_curves
+    from nvfp4lab.training import draw_val_curves
 
     fig = Figure(figsize=(16, 4.6))
     ax, ax2, ax3 = fig.subplots(1, 3, gridspec_kw={"width_ratios": [1, 1, 0.9]})
@@ -139,7 +139,7 @@ def main(argv=None) -> int:
     import statistics
 
     from nvfp4lab.provenance import environment, git_commit
-    from nvfp4lab.train import VARIANTS, RunResult, TrainConfig, format_table
+    from nvfp4lab.training import VARIANTS, RunResult, TrainConfig, format_table
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]

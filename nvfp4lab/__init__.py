@@ -10,7 +10,7 @@ The numerics live in one module per concept:
 * :mod:`nvfp4lab.variants`  comparison quantizers (per-tensor FP4, any block size, MXFP4)
 * :mod:`nvfp4lab.recipe`, :mod:`nvfp4lab.linear`, :mod:`nvfp4lab.fp8`   the NVFP4 recipe, the
   emulated NVFP4 linear layer (Fprop/Dgrad/Wgrad as TE), FP8 current-scaling emulation
-* :mod:`nvfp4lab.model`, :mod:`nvfp4lab.data`, :mod:`nvfp4lab.train`   a small GPT, the corpus, training
+* :mod:`nvfp4lab.model`, :mod:`nvfp4lab.data`, :mod:`nvfp4lab.training`   a small GPT, the corpus, training
 * :mod:`nvfp4lab.capabilities` (the function ``nvfp4lab.probe``), :mod:`nvfp4lab.te`, :mod:`nvfp4lab.te_model`   hardware probe, Transformer Engine
 * :mod:`nvfp4lab.kernels`   Triton kernels used automatically on CUDA
 * :mod:`nvfp4lab.provenance`, :mod:`nvfp4lab.precisions`, :mod:`nvfp4lab.testing`   result-file environment,
@@ -35,7 +35,7 @@ from .quantize import NVFP4Tensor, fake_quantize, nvfp4_matmul, quantize
 from .rounding import stochastic_round_e2m1
 from .recipe import NVFP4Recipe
 from .linear import NVFP4Linear, convert_model
-from .train import RunResult, TrainConfig, compare, train
+from .training import RunResult, TrainConfig, compare, train
 from .capabilities import Capabilities, probe
 
 __version__ = "0.1.0"

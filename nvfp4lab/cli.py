@@ -154,9 +154,9 @@ def _resolve_device(name: str) -> str:
 
 
 def config_from_args(args: argparse.Namespace, precision: str | None = None):
-    """Build a :class:`~nvfp4lab.train.TrainConfig` from parsed ``train``/``compare`` options."""
+    """Build a :class:`~nvfp4lab.training.TrainConfig` from parsed ``train``/``compare`` options."""
     from .recipe import NVFP4Recipe
-    from .train import TrainConfig
+    from .training import TrainConfig
 
     recipe = NVFP4Recipe(
         disable_rht=args.disable_rht,
@@ -200,7 +200,7 @@ def _print_run(r) -> None:
 
 
 def _cmd_train(args: argparse.Namespace) -> int:
-    from .train import NonFiniteError, train
+    from .training import NonFiniteError, train
 
     try:
         cfg = config_from_args(args)
@@ -226,7 +226,7 @@ def _cmd_train(args: argparse.Namespace) -> int:
 
 
 def _cmd_compare(args: argparse.Namespace) -> int:
-    from .train import VARIANTS, compare
+    from .training import VARIANTS, compare
 
     variants = [v.strip() for v in args.variants.split(",") if v.strip()]
     unknown = [v for v in variants if v not in VARIANTS]
@@ -271,7 +271,7 @@ def _register_train(subparsers) -> None:
 
 @register_subcommand("compare")
 def _register_compare(subparsers) -> None:
-    from .train import VARIANTS
+    from .training import VARIANTS
 
     p = subparsers.add_parser("compare", help="train several precisions / ablations and tabulate",
                               description="Train one configuration per variant; write a table and a plot. "

@@ -375,7 +375,7 @@ class NVFP4Linear(nn.Linear):
     generator : ``torch.Generator`` for stochastic rounding of gradients, on the device of the
         activations. Default: one per device seeded with ``seed`` (lazily created). Give every
         layer the same generator, seeded from the training seed, and save its state in
-        checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train.train` does).
+        checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train` does).
     seed : seed of the default generator (ignored when ``generator`` is given).
     quantizer : a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
     name : label used in :class:`GemmOperand` records.

@@ -114,7 +114,7 @@ def test_backend_te_without_transformer_engine_is_a_clear_error(tmp_path, capsys
 
 
 def test_backend_is_validated():
-    from nvfp4lab.train import TrainConfig
+    from nvfp4lab.training import TrainConfig
 
     with pytest.raises(ValueError, match="backend"):
         TrainConfig(backend="jax").resolved()

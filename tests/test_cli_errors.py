@@ -21,7 +21,7 @@ import pytest
 import torch
 
 import nvfp4lab
-from nvfp4lab.train import PREVIOUS_CHECKPOINT_NAME, lr_at, load_checkpoint
+from nvfp4lab.training import PREVIOUS_CHECKPOINT_NAME, lr_at, load_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
@@ -113,7 +113,7 @@ def _lrs(metrics: Path) -> dict[int, float]:
 
 
 def test_resume_with_more_steps_keeps_the_schedule_unless_extended(run_dir, tmp_path):
-    base = dict(lr=3e-3, warmup_steps=5, min_lr_frac=0.1)   # the ci preset's (nvfp4lab.train.TRAIN_PRESETS)
+    base = dict(lr=3e-3, warmup_steps=5, min_lr_frac=0.1)   # the ci preset's (nvfp4lab.training.TRAIN_PRESETS)
     for extend in (False, True):
         out = tmp_path / f"extend{extend}"
         r = cli("train", *TINY, "--steps", "8", "--log-interval", "1", "--resume", str(run_dir), "--out", str(out),

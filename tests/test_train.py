@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from nvfp4lab.model import GPT
+from nvfp4lab.model import GPT, get_preset
 from nvfp4lab.recipe import NVFP4Recipe
-# the module, not the function: ``nvfp4lab.train`` is also exported as a function at top level
-train_mod = importlib.import_module("nvfp4lab.train")
+# the loop's module (its save_checkpoint is patched to simulate a crash)
+train_mod = importlib.import_module("nvfp4lab.training.loop")
 
-from nvfp4lab.train import (  # noqa: E402
+from nvfp4lab.training import (  # noqa: E402
     CHECKPOINT_NAME,
     NonFiniteError,
     TrainConfig,
@@ -231,3 +231,51 @@ def test_cuda_graph_needs_cuda_and_the_nvfp4lab_backend():
         TrainConfig(preset="ci", cuda_graph=True, device="cpu").resolved()
     with pytest.raises(ValueError, match="te.make_graphed_callables"):
         TrainConfig(preset="ci", cuda_graph=True, backend="te", device="cuda").resolved()
+
+
+def test_graphed_step_with_optimizer_skips_a_nonfinite_update():
+    """GraphedStep's body with the optimizer inside (what graph_optimizer=True captures on CUDA): a
+    finite step updates like AdamW; a NaN loss sets found_inf and the fused kernel leaves weights,
+    moments and the step count untouched, as the eager loop's skip/stop does. (The capture itself
+    runs in tests/gpu.)"""
+    from nvfp4lab.training.step import GraphedStep, param_groups
+
+    torch.manual_seed(0)
+    model = GPT(get_preset("ci"))
+    opt = torch.optim.AdamW(param_groups(model, 0.1), lr=torch.tensor(1e-3), fused=True)
+    opt.found_inf = torch.zeros(())
+    params = [p for g in opt.param_groups for p in g["params"]]
+    ref = GPT(get_preset("ci"))
+    ref.load_state_dict(model.state_dict())
+    ref_opt = torch.optim.AdamW(param_groups(ref, 0.1), lr=1e-3)
+    step = GraphedStep(model, params, "fp32", torch.device("cpu"), 1.0, optimizer=opt)
+    x, y = torch.randint(0, 256, (2, 16)), torch.randint(0, 256, (2, 16))
+    loss, _ = step._body(x, y)
+    _, ref_loss = ref(x, y)
+    ref_loss.backward()
+    torch.nn.utils.clip_grad_norm_(list(ref.parameters()), 1.0)
+    ref_opt.step()
+    assert torch.equal(loss, ref_loss.detach())
+    for a, b in zip(model.parameters(), ref.parameters()):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)          # fused vs for-loop AdamW
+    with torch.no_grad():
+        model.wte.weight[0, 0] = float("nan")
+    snapshot = [p.detach().clone() for p in params]
+    state = {k: v.clone() for k, v in opt.state[params[0]].items()}
+    loss, _ = step._body(x, y)
+    assert not torch.isfinite(loss) and opt.found_inf.item() == 1.0
+    for a, p in zip(snapshot, params):
+        assert torch.equal(torch.nan_to_num(a), torch.nan_to_num(p.detach()))
+    assert all(torch.equal(state[k], opt.state[params[0]][k]) for k in state)
+
+
+def test_graph_optimizer_needs_cuda_graph():
+    with pytest.raises(ValueError, match="graph_optimizer=True .* needs cuda_graph=True"):
+        TrainConfig(preset="ci", graph_optimizer=True).resolved()
+
+
+def test_steady_state_throughput_excludes_the_warmup_steps(tmp_path):
+    r = train(TrainConfig(preset="ci", steps=6, timing_warmup_steps=2, eval_interval=6, eval_batches=1,
+                          out=str(tmp_path / "t"), progress=False, plot=False))
+    assert r.timed_steps == 4 and r.warmup_time_s > 0 and r.step_ms_median > 0
+    assert r.tokens_per_s > 0 and r.tokens_per_s_all_steps > 0

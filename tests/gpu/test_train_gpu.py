@@ -1,4 +1,4 @@
-"""nvfp4lab.train on CUDA with ``cuda_graph=True``: the captured step trains like the eager one.
+"""nvfp4lab.train (nvfp4lab.training) on CUDA with ``cuda_graph=True``: the captured step trains like the eager one.
 
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_train_gpu.py``.
 """
@@ -13,7 +13,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
-from nvfp4lab.train import TrainConfig, train  # noqa: E402
+from nvfp4lab.training import TrainConfig, train  # noqa: E402
 
 
 @pytest.mark.parametrize("precision", ["nvfp4", "bf16"])

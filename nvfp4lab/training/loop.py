@@ -1,0 +1,448 @@
+"""The training loop: :func:`train` runs one configuration, :func:`compare` several."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import statistics
+import sys
+import time
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+import torch
+import torch.nn as nn
+
+from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
+from ..linear import convert_model, layer_precisions, set_quantization_enabled
+from ..model import GPT
+from ..provenance import environment
+from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
+from .config import TrainConfig, lr_at
+from .report import CompareResult, RunResult, format_table, plot_compare, plot_metrics, read_jsonl, write_json
+from .step import GRAPH_WARMUP_STEPS, GraphedStep, autocast_for, clip_and_norm, param_groups
+
+__all__ = ["NonFiniteError", "train", "compare"]
+
+class NonFiniteError(RuntimeError):
+    """Raised when the loss or the gradient norm is not finite (``on_nonfinite="stop"``).
+
+    Attributes: ``step`` (0-based optimizer step), ``what`` ("loss" or "gradient norm"),
+    ``checkpoint`` (path of the last good checkpoint, or None), ``result`` (the
+    :class:`RunResult` so far, with ``status="stopped_nonfinite"``).
+    """
+
+    def __init__(self, message: str, *, step: int, what: str, checkpoint: str | None,
+                 result: "RunResult | None" = None) -> None:
+        super().__init__(message)
+        self.step, self.what, self.checkpoint, self.result = step, what, checkpoint, result
+
+
+def rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # non-Linux: process-lifetime peak
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+@torch.no_grad()
+def _evaluate(model: nn.Module, batches, precision: str, device: torch.device) -> float:
+    was_training = model.training
+    model.eval()
+    total = 0.0
+    for x, y in batches:
+        with autocast_for(precision, device):
+            _, loss = model(x.to(device), y.to(device))
+        total += float(loss)
+    model.train(was_training)
+    return total / len(batches)
+
+
+def _reporter(cfg: TrainConfig):
+    """``say(msg)``: one status line on stderr (``[name] msg``), unless ``cfg.progress`` is False."""
+    if cfg.progress is False:
+        return lambda msg: None
+    return lambda msg: print(f"[{cfg.name}] {msg}", file=sys.stderr, flush=True)
+
+
+class _ProgressLines:
+    """Progress as plain lines for logs (``progress="lines"``): every tenth of the run, every
+    ``PERIOD_S`` seconds and at the end, with loss, validation loss, tokens/s and ETA."""
+
+    PERIOD_S = 30.0
+
+    def __init__(self, steps: int, start_step: int, tokens_per_step: int) -> None:
+        self.steps, self.every, self.tokens_per_step = steps, max(1, steps // 10), tokens_per_step
+        self.last_t, self.time, self.timed = time.perf_counter(), 0.0, 0
+
+    def __call__(self, done: int, dt: float, loss: float, val: float | None) -> str | None:
+        self.time, self.timed = self.time + dt, self.timed + 1
+        now = time.perf_counter()
+        if not (done % self.every == 0 or done == self.steps or now - self.last_t >= self.PERIOD_S):
+            return None
+        self.last_t = now
+        eta = (self.steps - done) * self.time / self.timed
+        val_text = f"val {val:.4f}" if val is not None else "val -"
+        return (f"step {done}/{self.steps}  loss {loss:.4f}  {val_text}  "
+                f"{self.tokens_per_step * self.timed / self.time:,.0f} tok/s  ETA {_fmt_seconds(eta)}")
+
+
+def _fmt_seconds(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}h{s % 3600 // 60:02d}m" if s >= 3600 else f"{s // 60}m{s % 60:02d}s"
+
+
+# ----------------------------------------------------------------------------- train
+def train(config: TrainConfig) -> RunResult:
+    """Train one model as described by ``config``; see the module docstring.
+
+    Writes into ``config.out`` (default ``runs/<name>``): ``metrics.jsonl`` (one JSON object per
+    line: ``type`` "train" / "eval" / "event"), ``run.json`` (the :class:`RunResult`),
+    ``loss.png`` and ``checkpoint.pt``.
+
+    Raises ``ValueError`` for an invalid config or an incompatible ``resume`` checkpoint,
+    ``NonFiniteError`` when the loss or gradient goes non-finite with ``on_nonfinite="stop"``.
+    """
+    from tqdm.auto import tqdm
+
+    cfg = config.resolved()
+    t_start = time.perf_counter()
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    device = torch.device(cfg.device)
+
+    # data (pure function of the bytes)
+    corpus = load_corpus(cfg.text)
+    tokenizer = ByteTokenizer()
+    split = split_tokens(tokenizer.encode(corpus.text), chunk_bytes=cfg.chunk_bytes, val_every=cfg.val_every)
+    data_info = {"corpus": corpus.describe(), "tokenizer": tokenizer.describe(), "split": split.describe()}
+    val_batches = validation_batches(split.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+
+    # model and precision; all randomness derives from the seed
+    torch.manual_seed(cfg.seed)
+    sr_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003)
+    data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
+    if cfg.backend == "te":
+        # Raises TransformerEngineUnavailable / NVFP4NotSupported (with the fallbacks) up front.
+        from ..te_model import build_te_model
+
+        model = build_te_model(cfg.model_config(), cfg.precision, cfg.recipe, device=device)
+        layers = model.layer_counts()
+    else:
+        model = GPT(cfg.model_config()).to(device)
+        convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
+        precisions = layer_precisions(model)
+        layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
+    if cfg.graph_optimizer:  # the step's CUDA graph holds the update: fused AdamW, a device lr, found_inf
+        optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=torch.tensor(cfg.lr, device=device),
+                                      betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
+        optimizer.found_inf = torch.zeros((), device=device)
+    else:
+        optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
+                                      betas=(cfg.beta1, cfg.beta2), eps=1e-8)
+    own_flags = [{k: g[k] for k in ("lr", "fused", "capturable", "foreach") if k in g} for g in optimizer.param_groups]
+
+    out = Path(cfg.out if cfg.out else Path("runs") / cfg.name)
+    say = _reporter(cfg)
+    start_step, best_val, skipped, elapsed_before = 0, None, 0, 0.0
+    schedule_steps = cfg.schedule_steps or cfg.steps
+    val_curve: list[list[float]] = []
+    ckpt_path = out / CHECKPOINT_NAME
+    if cfg.resume:
+        saved = load_checkpoint(cfg.resume)
+        check_resume_compatible(saved, cfg, data_info)
+        model.load_state_dict(saved["model"])
+        optimizer.load_state_dict(saved["optimizer"])
+        for g, flags in zip(optimizer.param_groups, own_flags):  # this run's implementation, not the saved one's
+            g.update(flags)
+        start_step = int(saved["step"])
+        rng = saved["rng"]
+        torch.set_rng_state(rng["torch"])
+        data_gen.set_state(rng["data"])
+        # The SR generator's state is device-specific (CPU Mersenne Twister vs CUDA Philox); it is
+        # restored when the device type matches, otherwise the generator stays freshly seeded.
+        if rng.get("sr") is not None and rng.get("sr_device", "cpu") == device.type:
+            sr_gen.set_state(rng["sr"])
+        best_val = saved.get("best_val_loss")
+        skipped = int(saved.get("skipped_steps", 0))
+        val_curve = [list(v) for v in saved.get("val_curve", [])]
+        elapsed_before = float(saved.get("elapsed_s", 0.0))
+        if start_step > cfg.steps:
+            raise ValueError(f"checkpoint is at step {start_step}, beyond steps={cfg.steps}")
+        saved_schedule = saved["config"].get("schedule_steps") or saved["config"]["steps"]
+        if cfg.schedule_steps is None and not cfg.extend_schedule:
+            schedule_steps = saved_schedule
+        say(f"resumed from step {start_step} of {cfg.steps} (precision {cfg.precision}, checkpoint "
+            f"{cfg.resume})")
+        if schedule_steps != saved_schedule:
+            lr_old = lr_at(start_step, lr=cfg.lr, steps=saved_schedule, warmup_steps=cfg.warmup_steps,
+                           min_lr_frac=cfg.min_lr_frac)
+            lr_new = lr_at(start_step, lr=cfg.lr, steps=schedule_steps, warmup_steps=cfg.warmup_steps,
+                           min_lr_frac=cfg.min_lr_frac)
+            say(f"the learning-rate schedule now spans {schedule_steps} steps instead of {saved_schedule} "
+                f"(extend_schedule): the LR at step {start_step} goes from {lr_old:.3g} to {lr_new:.3g}")
+        elif cfg.steps > saved_schedule:
+            say(f"steps={cfg.steps} goes past the checkpoint's {saved_schedule}-step learning-rate schedule, "
+                f"which is kept: the LR stays at its final value after step {saved_schedule} "
+                "(--extend-schedule stretches the schedule instead)")
+    cfg.schedule_steps = schedule_steps
+    out.mkdir(parents=True, exist_ok=True)
+    metrics_path = out / "metrics.jsonl"
+    # On resume, keep the history up to the checkpoint and drop what came after it.
+    kept = [r for r in read_jsonl(metrics_path) if r.get("step", 0) <= start_step and
+            not (r.get("type") == "train" and r.get("step", 0) >= start_step)] if cfg.resume else []
+    with open(metrics_path, "w") as f:
+        for r in kept:
+            f.write(json.dumps(r) + "\n")
+    metrics = open(metrics_path, "a")
+
+    def log(rec: dict[str, Any]) -> None:
+        metrics.write(json.dumps(rec) + "\n")
+        metrics.flush()
+
+    cooldown_start = (schedule_steps - int(round(cfg.cooldown_frac * schedule_steps))
+                      if cfg.cooldown_frac > 0 else None)
+    last_ckpt: str | None = None
+    if cfg.resume:
+        rp = Path(cfg.resume)
+        last_ckpt = str(rp / CHECKPOINT_NAME if rp.is_dir() else rp)
+
+    def make_state(step: int) -> dict[str, Any]:
+        return {
+            "format": CHECKPOINT_FORMAT,
+            "step": step,
+            "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+            "optimizer": _portable(optimizer.state_dict()),
+            "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
+                    "sr": sr_gen.get_state(), "sr_device": device.type},
+            "config": cfg.to_dict(),
+            "data": data_info,
+            "best_val_loss": best_val,
+            "skipped_steps": skipped,
+            "val_curve": val_curve,
+            "elapsed_s": elapsed_before + time.perf_counter() - t_start,
+            "torch_version": str(torch.__version__),
+        }
+
+    def make_result(status: str, message: str, steps_completed: int, plot_path: str | None) -> RunResult:
+        if device.type == "cuda":
+            peak, kind = int(torch.cuda.max_memory_allocated(device)), "cuda max_memory_allocated"
+        else:
+            peak, kind = int(peak_rss), "cpu peak resident set size of the process"
+        steady = step_times[timing_warmup:] if len(step_times) > timing_warmup else step_times
+        now = time.perf_counter()
+        return RunResult(
+            name=cfg.name, precision=cfg.precision, status=status, message=message,
+            steps_completed=int(steps_completed),
+            final_val_loss=val_curve[-1][1] if val_curve else None, best_val_loss=best_val,
+            final_train_loss=last_loss, val_curve=val_curve,
+            tokens_per_s=tokens_per_step * len(steady) / sum(steady) if steady else 0.0,
+            peak_memory_bytes=peak, peak_memory_kind=kind,
+            wall_time_s=now - t_start, skipped_steps=skipped, out_dir=str(out),
+            metrics_path=str(metrics_path), plot_path=plot_path, checkpoint_path=last_ckpt,
+            config=cfg.to_dict(), data=data_info, environment=environment(device), layers=layers,
+            resumed_from_step=start_step if cfg.resume else None, total_wall_time_s=elapsed_before + now - t_start,
+            tokens_per_s_all_steps=tokens_per_step * len(step_times) / sum(step_times) if step_times else 0.0,
+            warmup_time_s=sum(step_times[:len(step_times) - len(steady)]), timed_steps=len(steady),
+            step_ms_median=1e3 * statistics.median(steady) if steady else None)
+
+    def checkpoint(step: int) -> None:
+        nonlocal last_ckpt
+        save_checkpoint(ckpt_path, make_state(step))
+        last_ckpt = str(ckpt_path)
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    peak_rss = rss_bytes()
+    tokens_per_step = cfg.batch_size * cfg.seq_len
+    last_loss: float | None = None
+    status, message = "completed", ""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if start_step == 0:
+        log({"type": "event", "event": "start", "step": 0, "precision": cfg.precision,
+             "layers": layers, "params": model.num_parameters()})
+        say(f"start: precision {cfg.precision} ({cfg.backend}), preset {cfg.preset}, "
+            f"{model.num_parameters() / 1e6:.2f}M parameters, {cfg.steps} steps x {tokens_per_step:,} tokens "
+            f"on {device} -> {out}")
+    else:
+        log({"type": "event", "event": "resume", "step": start_step, "precision": cfg.precision,
+             "schedule_steps": schedule_steps})
+    bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.name, unit="step", dynamic_ncols=True,
+               disable=None if cfg.progress is None else cfg.progress is not True, file=sys.stderr)
+    progress_line = _ProgressLines(cfg.steps, start_step, tokens_per_step) if cfg.progress == "lines" else None
+    model.train()
+    cooled = False
+    graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
+                          (sr_gen,) if cfg.precision == "nvfp4" else (),
+                          optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
+    timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
+    step_times: list[float] = []
+    warmup_left = GRAPH_WARMUP_STEPS
+    try:
+        for step in range(start_step, cfg.steps):
+            if cooldown_start is not None and step >= cooldown_start and not cooled:
+                if cfg.backend == "te":
+                    model.quantize_enabled = False
+                else:
+                    set_quantization_enabled(model, False)
+                cooled = True
+                if graphed is not None:  # another computation: capture again after a warm-up
+                    graphed.graph, warmup_left = None, GRAPH_WARMUP_STEPS
+                if step == cooldown_start:
+                    log({"type": "event", "event": "bf16 cooldown", "step": step})
+            active = "bf16" if cooled else cfg.precision
+            lr = lr_at(step, lr=cfg.lr, steps=schedule_steps, warmup_steps=cfg.warmup_steps,
+                       min_lr_frac=cfg.min_lr_frac)
+            for g in optimizer.param_groups:
+                if isinstance(g["lr"], torch.Tensor):
+                    g["lr"].fill_(lr)
+                else:
+                    g["lr"] = lr
+            t0 = time.perf_counter()
+            x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen)
+            x, y = x.to(device), y.to(device)
+            bad = None
+            if graphed is not None and warmup_left == 0:
+                # replay: the optimizer step below is outside the graph, so a non-finite loss or
+                # gradient is caught before it touches the weights, as in the eager branch
+                loss_t, gn = graphed(x, y)
+                loss_val, grad_norm = float(loss_t), float(gn)
+                if not math.isfinite(loss_val):
+                    bad, grad_norm = "loss", float("nan")
+                elif not math.isfinite(grad_norm):
+                    bad = "gradient norm"
+            else:
+                side = None
+                if graphed is not None:  # warm-up on a side stream (kernels compile, lazy inits)
+                    side = torch.cuda.Stream(device)
+                    side.wait_stream(torch.cuda.current_stream(device))
+                    warmup_left -= 1
+                with torch.cuda.stream(side) if side is not None else nullcontext():
+                    optimizer.zero_grad(set_to_none=True)
+                    with autocast_for(cfg.precision, device):
+                        _, loss = model(x, y)
+                    loss_val = float(loss.detach())
+                    if not math.isfinite(loss_val):
+                        bad = "loss"
+                        grad_norm = float("nan")
+                    else:
+                        loss.backward()
+                        grad_norm = float(clip_and_norm(params, cfg.grad_clip))
+                        if not math.isfinite(grad_norm):
+                            bad = "gradient norm"
+                if side is not None:
+                    torch.cuda.current_stream(device).wait_stream(side)
+            if bad is not None:
+                value = loss_val if bad == "loss" else grad_norm
+                log({"type": "nonfinite", "step": step, "what": bad, "value": str(value)})
+                if cfg.on_nonfinite == "skip":
+                    skipped += 1
+                    if graphed is None or graphed.graph is None:
+                        optimizer.zero_grad(set_to_none=True)
+                    bar.update(1)
+                    continue
+                status = "stopped_nonfinite"
+                message = (f"non-finite {bad} ({value}) at step {step} ({cfg.name}, precision "
+                           f"{active}); training stopped. Last good checkpoint: "
+                           f"{last_ckpt or 'none written yet'}. Use on_nonfinite='skip' "
+                           f"(--on-nonfinite skip) to skip such steps instead.")
+                raise NonFiniteError(message, step=step, what=bad, checkpoint=last_ckpt)
+            if graphed is None or graphed.graph is None or graphed.optimizer is None:
+                if getattr(optimizer, "found_inf", None) is not None:
+                    optimizer.found_inf.zero_()   # an eager step here is a finite one
+                optimizer.step()   # (a graph with the optimizer inside has already updated)
+            dt = time.perf_counter() - t0
+            step_times.append(dt)
+            last_loss = loss_val
+            peak_rss = max(peak_rss, rss_bytes())
+            done = step + 1
+            if step % cfg.log_interval == 0 or done == cfg.steps:
+                log({"type": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
+                     "tokens_per_s": tokens_per_step / dt if dt > 0 else None, "precision": active})
+            if done % cfg.eval_interval == 0 or done == cfg.steps:
+                v = _evaluate(model, val_batches, cfg.precision, device)
+                val_curve.append([done, v])
+                best_val = v if best_val is None else min(best_val, v)
+                log({"type": "eval", "step": done, "val_loss": v, "precision": active})
+                bar.set_postfix(loss=f"{loss_val:.3f}", val=f"{v:.3f}")
+            if (cfg.checkpoint_interval and done % cfg.checkpoint_interval == 0) or done == cfg.steps:
+                checkpoint(done)
+            bar.update(1)
+            if progress_line is not None:
+                line = progress_line(done, dt, loss_val, val_curve[-1][1] if val_curve else None)
+                if line:
+                    say(line)
+    except NonFiniteError as exc:
+        result = make_result(status, message, step, None)
+        exc.result = result
+        write_json(out / "run.json", result.to_dict())
+        raise
+    finally:
+        bar.close()
+        metrics.close()
+    plot_path = None
+    if cfg.plot:
+        what = cfg.precision if cfg.name == cfg.precision else f"{cfg.name}: {cfg.precision}"
+        plot_path = plot_metrics(metrics_path, out / "loss.png", title=f"{what}, preset {cfg.preset}")
+    result = make_result(status, message, cfg.steps, plot_path)
+    write_json(out / "run.json", result.to_dict())
+    return result
+
+
+def _portable(state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state dict that any AdamW can load: a device learning rate becomes a float."""
+    for g in state["param_groups"]:
+        if isinstance(g.get("lr"), torch.Tensor):
+            g["lr"] = float(g["lr"])
+    return state
+
+
+def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str, Any]]] = (
+        "bf16", "fp8", "nvfp4"), *, out: str | os.PathLike | None = None,
+        baseline: str | None = "bf16") -> CompareResult:
+    """Train ``config`` once per variant and write ``compare.md``, ``compare.json``, ``compare.png``.
+
+    ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
+    ``<out>/<name>/``. A run that stops on a non-finite loss is recorded (status
+    ``stopped_nonfinite``) and the comparison goes on. ``baseline`` names the variant the
+    relative gaps are computed against (None: no gaps).
+    Raises ``ValueError`` for an unknown or duplicate variant name.
+    """
+    base = config
+    out_dir = Path(out if out is not None else (config.out or "runs/compare"))
+    named: list[tuple[str, TrainConfig]] = []
+    for v in variants:
+        if isinstance(v, str):
+            name, c = v, base.with_variant(v)
+        else:
+            name, over = v
+            c = base.with_variant(over, name=name)
+        named.append((name, c))
+    names = [n for n, _ in named]
+    if len(set(names)) != len(names):
+        raise ValueError(f"duplicate variant names in {names}")
+    runs: dict[str, RunResult] = {}
+    for name, c in named:
+        c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
+        try:
+            runs[name] = train(c)
+        except NonFiniteError as exc:
+            print(f"[compare] {exc}", file=sys.stderr)
+            assert exc.result is not None
+            runs[name] = exc.result
+    out_dir.mkdir(parents=True, exist_ok=True)
+    table = format_table(runs, baseline if baseline in runs else None)
+    table_path = out_dir / "compare.md"
+    table_path.write_text(table + "\n")
+    json_path = out_dir / "compare.json"
+    write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
+    plot_path = plot_compare(runs, out_dir / "compare.png",
+                             title=f"validation loss, preset {base.preset}")
+    return CompareResult(runs, str(table_path), str(json_path), plot_path,
+                         baseline if baseline in runs else None)

@@ -1,0 +1,184 @@
+"""What a run reports: :class:`RunResult` (``run.json``), :class:`CompareResult`, the metrics
+file, tables and plots."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping, Sequence
+
+__all__ = ["RunResult", "CompareResult", "format_table", "draw_val_curves", "plot_compare", "plot_metrics",
+           "read_jsonl", "write_json"]
+
+# ----------------------------------------------------------------------------- results
+@dataclass
+class RunResult:
+    """Outcome of :func:`train` (also written to ``<out>/run.json``).
+
+    status : "completed" or "stopped_nonfinite". Losses are mean cross-entropy in nats per
+    byte. ``val_curve`` is a list of ``[step, val_loss]``. ``tokens_per_s`` is the steady state:
+    training tokens over training time (validation excluded) of this session's steps after its
+    first ``timing_warmup_steps`` (warm-up, CUDA-graph capture, kernel compilation), whose time
+    is ``warmup_time_s``; ``tokens_per_s_all_steps`` counts every step, and ``step_ms_median`` is
+    the median steady-state step.
+    ``peak_memory_bytes`` is described by ``peak_memory_kind``. ``wall_time_s`` is this
+    session's time; ``total_wall_time_s`` adds the time of the sessions before a resume
+    (``resumed_from_step`` is None for a run that started at step 0).
+    """
+
+    name: str
+    precision: str
+    status: str
+    message: str
+    steps_completed: int
+    final_val_loss: float | None
+    best_val_loss: float | None
+    final_train_loss: float | None
+    val_curve: list[list[float]]
+    tokens_per_s: float
+    peak_memory_bytes: int
+    peak_memory_kind: str
+    wall_time_s: float
+    skipped_steps: int
+    out_dir: str
+    metrics_path: str
+    plot_path: str | None
+    checkpoint_path: str | None
+    config: dict[str, Any]
+    data: dict[str, Any]
+    environment: dict[str, Any]
+    layers: dict[str, int]
+    resumed_from_step: int | None = None
+    total_wall_time_s: float | None = None
+    tokens_per_s_all_steps: float | None = None
+    warmup_time_s: float | None = None
+    timed_steps: int | None = None
+    step_ms_median: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class CompareResult:
+    """Outcome of :func:`compare`: one :class:`RunResult` per variant, and the files written."""
+
+    runs: dict[str, RunResult]
+    table_path: str
+    json_path: str
+    plot_path: str | None
+    baseline: str | None
+
+    def table(self) -> str:
+        return format_table(self.runs, self.baseline)
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        return []
+    out = []
+    with open(path) as f:
+        for line in f:
+            line = line.strip()
+            if line:
+                out.append(json.loads(line))
+    return out
+
+
+def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike, title: str = "") -> str:
+    """Draw train loss (and its moving average) and validation loss against step into a PNG."""
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
+
+    recs = read_jsonl(Path(metrics_path))
+    tr = [(r["step"], r["loss"]) for r in recs if r.get("type") == "train" and r.get("loss") is not None
+          and math.isfinite(r["loss"])]
+    ev = [(r["step"], r["val_loss"]) for r in recs if r.get("type") == "eval"]
+    events = [r for r in recs if r.get("type") == "event"]
+    fig = Figure(figsize=(7, 4.2))
+    ax = fig.subplots()
+    if tr:
+        s, l = zip(*tr)
+        ax.plot(s, l, color="0.75", lw=0.8, label="train (per log step)")
+    if ev:
+        s, l = zip(*ev)
+        ax.plot(s, l, "o-", color="C0", ms=3, label="validation")
+    for e in events:
+        ax.axvline(e["step"], color="C3", ls="--", lw=0.8)
+        ax.text(e["step"], ax.get_ylim()[1], " " + e.get("event", ""), color="C3", va="top", fontsize=8)
+    ax.set_xlabel("step")
+    ax.set_ylabel("loss (nats / byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    return str(png_path)
+
+
+def write_json(path: Path, data: Any) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(data, f, indent=2, default=str)
+        f.write("\n")
+    os.replace(tmp, path)
+
+
+def format_table(runs: Mapping[str, RunResult], baseline: str | None = "bf16") -> str:
+    """Markdown table: variant, precision, final validation loss, relative gap to ``baseline``."""
+    base = runs.get(baseline) if baseline else None
+    base_loss = base.final_val_loss if base is not None and base.status == "completed" else None
+    lines = ["| variant | precision | final val loss | vs " + (baseline or "-") +
+             " | status | tokens/s | wall time (s) |",
+             "|---|---|---|---|---|---|---|"]
+    for name, r in runs.items():
+        loss = f"{r.final_val_loss:.4f}" if r.final_val_loss is not None else "-"
+        if base_loss and r.final_val_loss is not None and r.status == "completed":
+            gap = f"{100.0 * (r.final_val_loss - base_loss) / base_loss:+.2f}%"
+        else:
+            gap = "-"
+        status = r.status if r.status == "completed" else f"{r.status} at step {r.steps_completed}"
+        lines.append(f"| {name} | {r.precision} | {loss} | {gap} | {status} | "
+                     f"{r.tokens_per_s:,.0f} | {r.wall_time_s:.0f} |")
+    return "\n".join(lines)
+
+
+def draw_val_curves(ax, ax2, curves: Mapping[str, tuple[Sequence, Mapping[str, Any]]], title: str = "") -> None:
+    """Draw validation-loss curves on ``ax`` and their second half, zoomed, on ``ax2``.
+
+    ``curves`` maps a run name to ``(val_curve, style)``: ``val_curve`` is a list of
+    ``[step, loss]`` pairs and ``style`` matplotlib line keywords (``label`` defaults to the name).
+    """
+    for name, (val_curve, style) in curves.items():
+        if not val_curve:
+            continue
+        s, l = zip(*val_curve)
+        style = {"label": name, **style}
+        ax.plot(s, l, **style)
+        half = len(s) // 2
+        ax2.plot(s[half:], l[half:], marker="o", ms=3, **style)
+    ax.set_title(title or "validation loss")
+    ax2.set_title("second half (zoom)")
+    for a in (ax, ax2):
+        a.set_xlabel("step")
+        a.set_ylabel("validation loss (nats / byte)")
+        a.grid(alpha=0.3)
+    ax2.legend(fontsize=8)
+
+
+def plot_compare(runs: Mapping[str, RunResult], png_path: str | os.PathLike, title: str = "") -> str:
+    """Validation-loss curves of several runs in one PNG."""
+    # The Figure API leaves pyplot and its backend alone (this also runs inside notebooks).
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(12, 4.5))
+    ax, ax2 = fig.subplots(1, 2)
+    draw_val_curves(ax, ax2, {name: (r.val_curve, {"color": f"C{i % 10}", "lw": 1.2})
+                              for i, (name, r) in enumerate(runs.items())}, title)
+    fig.tight_layout()
+    fig.savefig(png_path, dpi=120)
+    return str(png_path)
