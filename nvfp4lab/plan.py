@@ -247,7 +247,9 @@ def plan(model: str | ModelShape, *, seq_len: int, micro_batch: int = 1, world_s
 
     master = 4 * P // shard
     bf16_params = P - (q_linear_params if quantized_model_init else 0)
-    bf16 = 2 * (bf16_params // shard) + 2 * one_block
+    # one process / DDP: autocast caches the BF16 copy of every weight for the whole forward;
+    # FSDP2 casts the FP32 shard at all-gather time: only the unsharded block is BF16
+    bf16 = 2 * one_block if sharding == "fsdp" else 2 * bf16_params
     copies_per_block = sum(weight_copy_bytes(prec, m, k) for m, k in shape.linear_shapes()) if quantized else 0
     if quantized_model_init:
         # resident quantized parameters: sharded, plus the all-gathered block under FSDP2
