@@ -43,6 +43,7 @@ Registrar = Callable[[Any], Any]
 SUBCOMMANDS: dict[str, Registrar | str] = {
     "probe": "nvfp4lab.capabilities:add_probe_subcommand",
     "bench": "nvfp4lab.bench:register",
+    "plan": "nvfp4lab.plan:register",
 }
 
 
