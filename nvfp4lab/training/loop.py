@@ -141,7 +141,7 @@ def train(config: TrainConfig) -> RunResult:
         layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
     if cfg.graph_optimizer:  # the step's CUDA graph holds the update: fused AdamW, a device lr, found_inf
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=torch.tensor(cfg.lr, device=device),
-                                      betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True)
+                                      betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True, capturable=True)
         optimizer.found_inf = torch.zeros((), device=device)
     else:
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=cfg.lr,
