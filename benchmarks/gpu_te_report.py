@@ -97,7 +97,6 @@ if str(ROOT) not in sys.path:
 import torch  # noqa: E402
 import torch.nn as nn  # noqa: E402
 
-from nvfp4lab.timing import per_call_ms  # noqa: E402 - importing nvfp4lab queries no cuDNN (see main)
 
 SCHEMA = "nvfp4lab.te_gpu_report/1"
 JSON_NAME = "te_gpu.json"
@@ -535,6 +534,8 @@ def section_reference(args) -> dict[str, Any]:
 
 # ----------------------------------------------------------------------------- linear timings
 def _device_baselines(device: torch.device, smoke: bool) -> dict[str, Any]:
+    from nvfp4lab.timing import per_call_ms  # nvfp4lab only after main() imported TE (see main)
+
     n = 1 << (18 if smoke else 28)  # fp32 elements per buffer: 1 MiB (smoke) or 1 GiB
     src = torch.empty(n, dtype=torch.float32, device=device).uniform_()
     dst = torch.empty_like(src)
@@ -549,6 +550,8 @@ def _device_baselines(device: torch.device, smoke: bool) -> dict[str, Any]:
 
 
 def section_linear_timings(args, device: torch.device) -> dict[str, Any]:
+    from nvfp4lab.timing import per_call_ms  # nvfp4lab only after main() imported TE (see main)
+
     from nvfp4lab import te as T
     from nvfp4lab.linear import NVFP4Linear
 

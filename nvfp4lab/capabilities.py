@@ -564,10 +564,10 @@ def _te_checks(te_pytorch: Any, names: Sequence[str] | None = None) -> dict[str,
 
 
 def _gpu_info() -> dict[str, Any]:
-    """Device facts for the current CUDA device, from :func:`nvfp4lab.provenance.environment`."""
+    """Device facts for the current CUDA device, from :func:`nvfp4lab.provenance.gpu_facts`."""
     import torch
 
-    from .provenance import environment
+    from .provenance import gpu_facts
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -585,7 +585,7 @@ def _gpu_info() -> dict[str, Any]:
         if not available:
             return info
         try:
-            env = environment("cuda")
+            env = gpu_facts("cuda")
             info.update(device_name=env["device"], device_count=env["device_count"],
                         compute_capability=tuple(env["compute_capability"]),
                         total_memory_bytes=env["total_memory_bytes"])

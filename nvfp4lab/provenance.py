@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["ENVIRONMENT_KEYS", "SCHEMA", "environment", "git_commit", "provenance_table", "utc_now"]
+__all__ = ["ENVIRONMENT_KEYS", "SCHEMA", "environment", "git_commit", "gpu_facts", "provenance_table", "utc_now"]
 
 SCHEMA = "nvfp4lab.environment/1"
 
@@ -130,6 +130,29 @@ def _cudnn_version() -> str | None:
     return None if v is None else str(v)
 
 
+def gpu_facts(device: torch.device | str = "cuda") -> dict[str, Any]:
+    """The CUDA device's name, count, compute capability and memory, from torch alone.
+
+    No subprocess (unlike :func:`environment`, which also asks git and nvidia-smi), so it is cheap
+    enough for code that checks the device on every call (the capability probe behind
+    ``nvfp4lab.te.autocast``).
+
+    Returns:
+        ``{"device": name, "device_count": n, "compute_capability": [major, minor],
+        "total_memory_bytes": bytes}`` for ``device`` (``"cuda"``: the current device).
+
+    Raises:
+        ValueError: CUDA is not available.
+    """
+    device = torch.device(device)
+    if device.type != "cuda" or not torch.cuda.is_available():
+        raise ValueError(f"gpu_facts({str(device)!r}): CUDA is not available on this machine")
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    props = torch.cuda.get_device_properties(index)
+    return {"device": str(props.name), "device_count": torch.cuda.device_count(),
+            "compute_capability": [int(props.major), int(props.minor)], "total_memory_bytes": int(props.total_memory)}
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """The environment block of a result file: versions, device, git commit and date.
 
@@ -172,10 +195,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         threads=torch.get_num_threads(),
     )
     if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        env.update(device=str(props.name), compute_capability=[int(props.major), int(props.minor)],
-                   total_memory_bytes=int(props.total_memory), driver_version=_driver_version())
+        env.update(gpu_facts(device), driver_version=_driver_version())
     else:
         env["device"] = env["cpu"]
     return env
