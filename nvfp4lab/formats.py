@@ -22,6 +22,10 @@ __all__ = [
     "E4M3_MAX",
     "E5M2_MAX",
     "FLT_MAX",
+    "GLOBAL_SCALE_NUMERATOR",
+    "GEMM_ALPHA_DENOMINATOR",
+    "RCP_E2M1_MAX",
+    "RCP_GLOBAL_SCALE_NUMERATOR",
     "E2M1_SIGN_BIT",
     "check_float_tensor",
     "encode_e2m1",
@@ -43,6 +47,17 @@ E5M2_MAX = 57344.0
 FLT_MAX = float(torch.finfo(torch.float32).max)
 #: Bit 3 of an E2M1 code is its sign.
 E2M1_SIGN_BIT = 8
+#: NVFP4's per-tensor encode scale is ``GLOBAL_SCALE_NUMERATOR / amax`` = 448 · 6 / amax = 2688 / amax
+#: (exact in FP32; TE ``core_nvfp4.cuh`` ``compute_global_encode_scaling_factor_FP4``; paper appendix B.1).
+GLOBAL_SCALE_NUMERATOR = E4M3_MAX * E2M1_MAX
+#: An NVFP4 GEMM's output factor is ``amax_a · amax_b / GEMM_ALPHA_DENOMINATOR`` = ... / (6² · 448²)
+#: = 7225344 (exact in FP32; TE ``common/recipe/nvfp4.cu``, reference ``qgemm``).
+GEMM_ALPHA_DENOMINATOR = E2M1_MAX * E2M1_MAX * E4M3_MAX * E4M3_MAX
+#: RN_fp32(1/6) = 0x3E2AAAAB, the factor the block-scale computation multiplies by (kernels take it as an
+#: fp32 argument).
+RCP_E2M1_MAX = float(torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32))
+#: RN_fp32(1/2688), the decode factor of :meth:`nvfp4lab.NVFP4Tensor.dequantize` (TE ``dequantize_nvfp4.cuh``).
+RCP_GLOBAL_SCALE_NUMERATOR = float(torch.tensor(1.0 / GLOBAL_SCALE_NUMERATOR, dtype=torch.float32))
 
 # All 16 code points, code -> value. Code 8 is -0.0.
 _E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])

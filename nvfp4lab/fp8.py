@@ -34,14 +34,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .formats import E4M3_MAX, E5M2_MAX, FLT_MAX
+
 __all__ = [
     "FP8_E4M3_MAX", "FP8_E5M2_MAX", "FLT_MAX", "FP8Recipe", "FP8Tensor", "FP8Linear",
     "compute_scale", "quantize_fp8", "fp8_matmul",
 ]
 
-FP8_E4M3_MAX = 448.0
-FP8_E5M2_MAX = 57344.0
-FLT_MAX = float(torch.finfo(torch.float32).max)
+FP8_E4M3_MAX = E4M3_MAX   # the FP8 formats' largest finite magnitudes (nvfp4lab.formats)
+FP8_E5M2_MAX = E5M2_MAX
 _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 
 

@@ -44,8 +44,9 @@ import torch.nn.functional as F
 
 from .formats import (
     E2M1_MAX,
-    E4M3_MAX,
     FLT_MAX,
+    GEMM_ALPHA_DENOMINATOR,
+    GLOBAL_SCALE_NUMERATOR,
     _rne_codes,
     check_float_tensor,
     decode_e2m1,
@@ -70,8 +71,6 @@ __all__ = [
 
 #: Elements per NVFP4 block along the quantized dimension (and tile side for 2D).
 BLOCK_SIZE = 16
-_GLOBAL_NUMERATOR = E4M3_MAX * E2M1_MAX  # 2688.0, exact in fp32
-_GEMM_FACTOR = E2M1_MAX * E2M1_MAX * E4M3_MAX * E4M3_MAX  # 7225344.0, exact in fp32
 
 Block = Literal["1d", "2d"]
 Rounding = Literal["nearest", "stochastic"]
@@ -96,7 +95,7 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     Source: TE ``core_nvfp4.cuh``.
     """
     amax = amax.float()
-    s_enc = torch.minimum(_f32(_GLOBAL_NUMERATOR, amax.device) / amax, _f32(FLT_MAX, amax.device))
+    s_enc = torch.minimum(_f32(GLOBAL_SCALE_NUMERATOR, amax.device) / amax, _f32(FLT_MAX, amax.device))
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
@@ -253,7 +252,7 @@ class NVFP4Tensor:
         dtype = dtype or torch.float32
         sf = self.scale.float()
         if bool(torch.isfinite(self.amax)):
-            d = (sf * self.amax) * torch.reciprocal(_f32(_GLOBAL_NUMERATOR, self.device))
+            d = (sf * self.amax) * torch.reciprocal(_f32(GLOBAL_SCALE_NUMERATOR, self.device))
         else:
             d = sf
         x = decode_e2m1(self.codes()) * self._per_element(d)
@@ -490,7 +489,7 @@ def _gemm_epilogue(acc: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor
     """The tail of an emulated NVFP4 GEMM, in FP32 and in this order: ``RN(acc · alpha)`` with
     ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` (a tensor division, IEEE), ``+ bias``, one
     rounding to ``out_dtype``. ``acc``: the FP32 product of the block values [M, N]."""
-    alpha = (amax_a.float() * amax_b.float()) / _f32(_GEMM_FACTOR, acc.device)
+    alpha = (amax_a.float() * amax_b.float()) / _f32(GEMM_ALPHA_DENOMINATOR, acc.device)
     y = acc * alpha
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -53,6 +53,7 @@ import torch.nn.functional as F
 from .formats import (
     E2M1_MAX,
     FLT_MAX,
+    GLOBAL_SCALE_NUMERATOR,
     check_float_tensor,
     decode_e2m1,
     encode_e2m1,
@@ -83,7 +84,6 @@ _E8M0_EMIN, _E8M0_EMAX = -127, 127
 
 ScaleFormat = Literal["e4m3", "e8m0", "fp32"]
 _SCALE_BYTES = {"e4m3": 1, "e8m0": 1, "fp32": 4}
-_GLOBAL_NUMERATOR = 2688.0  # 448 * 6, as in nvfp4lab.quantize
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -136,7 +136,7 @@ class FP4BlockTensor:
         """Each block's full decode factor (block scale × per-tensor factor), float32 ``[M, nb]``."""
         if self.amax is None:
             return self.scales
-        return (self.scales * self.amax) * torch.reciprocal(torch.tensor(_GLOBAL_NUMERATOR, device=self.scales.device))
+        return (self.scales * self.amax) * torch.reciprocal(torch.tensor(GLOBAL_SCALE_NUMERATOR, device=self.scales.device))
 
     def dequantize(self, dtype: torch.dtype | None = None, *, undo_rht: bool = True) -> torch.Tensor:
         """Decode to the logical shape: ``code × block decode factor`` in float32, then cast.

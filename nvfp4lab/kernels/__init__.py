@@ -49,6 +49,7 @@ from typing import Any, Iterator
 
 import torch
 
+from ..formats import GEMM_ALPHA_DENOMINATOR, RCP_E2M1_MAX, RCP_GLOBAL_SCALE_NUMERATOR
 from ..hadamard import RHT_SIZE, WGRAD_SIGN_MASK, WGRAD_SIGNS
 from ..quantize import NVFP4Tensor, _check_bias, _gemm_epilogue, nvfp4_matmul, quantize
 
@@ -66,9 +67,9 @@ __all__ = [
     "CONFIG",
 ]
 
-_INV6 = 0.1666666716337204  # RN_fp32(1/6) = 0x3E2AAAAB, exactly representable: passed as an fp32 arg
-_INV2688 = float(torch.tensor(1.0 / 2688.0, dtype=torch.float32))  # RN_fp32(1/2688)
-_GEMM_FACTOR = 7225344.0  # 6*6*448*448
+_INV6 = RCP_E2M1_MAX  # RN_fp32(1/6), passed to the kernels as an fp32 argument
+_INV2688 = RCP_GLOBAL_SCALE_NUMERATOR  # RN_fp32(1/2688)
+_GEMM_FACTOR = GEMM_ALPHA_DENOMINATOR  # 6*6*448*448
 
 #: Tile shapes and warps per kernel mode (tuned on the GPU; edit for sweeps).
 CONFIG: dict[str, dict[str, int]] = {
