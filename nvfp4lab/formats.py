@@ -28,6 +28,8 @@ __all__ = [
     "RCP_GLOBAL_SCALE_NUMERATOR",
     "E2M1_SIGN_BIT",
     "check_float_tensor",
+    "check_no_nan",
+    "rne_codes",
     "encode_e2m1",
     "decode_e2m1",
     "pack_fp4",
@@ -90,7 +92,12 @@ def check_float_tensor(x: torch.Tensor, what: str = "input") -> None:
         )
 
 
-def _check_no_nan(x: torch.Tensor, what: str) -> None:
+def check_no_nan(x: torch.Tensor, what: str) -> None:
+    """Raise ``ValueError`` naming ``what`` if ``x`` holds a NaN (NVFP4 cannot encode it).
+
+    Source of the rule: TE's reference would silently emit code 0 (``reference_nvfp4.py``,
+    ``cast_to_fp4x2``). One reduction and one host synchronisation.
+    """
     if torch.isnan(x).any():
         raise ValueError(
             f"{what} contains NaN; NVFP4 has no NaN encoding and TE's reference would "
@@ -121,12 +128,15 @@ def encode_e2m1(x: torch.Tensor) -> torch.Tensor:
     Source: TE ``transformer_engine/pytorch/custom_recipes/reference_nvfp4.py::cast_to_fp4x2``.
     """
     check_float_tensor(x)
-    _check_no_nan(x, "encode_e2m1 input")
-    return _rne_codes(x.float())
+    check_no_nan(x, "encode_e2m1 input")
+    return rne_codes(x.float())
 
 
-def _rne_codes(y: torch.Tensor) -> torch.Tensor:
-    """RNE E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path).
+def rne_codes(y: torch.Tensor) -> torch.Tensor:
+    """RNE E2M1 codes (uint8, 0..15, same shape) of a float32 tensor known to hold no NaN.
+
+    :func:`encode_e2m1` without its checks, for callers that already validated (the hot path
+    of :func:`nvfp4lab.quantize`). Values beyond ±6 saturate; ``-0.0`` gives code 0.
 
     The magnitude code is the number of decision thresholds the clamped magnitude has
     passed: ``>`` for thresholds whose tie rounds down, ``>=`` for those whose tie rounds

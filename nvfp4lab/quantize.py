@@ -47,7 +47,7 @@ from .formats import (
     FLT_MAX,
     GEMM_ALPHA_DENOMINATOR,
     GLOBAL_SCALE_NUMERATOR,
-    _rne_codes,
+    rne_codes,
     check_float_tensor,
     decode_e2m1,
     pack_fp4,
@@ -55,7 +55,7 @@ from .formats import (
     unpack_fp4,
 )
 from .hadamard import RHT_SIZE, WGRAD_SIGNS, inverse_random_hadamard_transform, random_hadamard_transform
-from .rounding import _sr_codes
+from .rounding import sr_codes
 
 __all__ = [
     "BLOCK_SIZE",
@@ -429,9 +429,9 @@ def quantize(
         y = tiles * block_encode_scales(scale, amax_t)[:, None, :, None]
     y = y.reshape(Mp, Kp)
     if rounding == "nearest":
-        codes = _rne_codes(y)
+        codes = rne_codes(y)
     else:
-        codes = _sr_codes(y.clamp(-E2M1_MAX, E2M1_MAX), generator=generator)
+        codes = sr_codes(y.clamp(-E2M1_MAX, E2M1_MAX), generator=generator)
     return result(pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t)
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .formats import E2M1_MAX, _check_no_nan, check_float_tensor
+from .formats import E2M1_MAX, check_no_nan, check_float_tensor
 
-__all__ = ["stochastic_round_e2m1"]
+__all__ = ["stochastic_round_e2m1", "sr_codes"]
 
 
 def stochastic_round_e2m1(
@@ -51,16 +51,20 @@ def stochastic_round_e2m1(
         wrong shape.
     """
     check_float_tensor(x)
-    _check_no_nan(x, "stochastic_round_e2m1 input")
+    check_no_nan(x, "stochastic_round_e2m1 input")
     if uniform is not None and uniform.shape != x.shape:
         raise ValueError(f"uniform has shape {tuple(uniform.shape)}, expected {tuple(x.shape)}")
-    return _sr_codes(x.float(), generator=generator, uniform=uniform)
+    return sr_codes(x.float(), generator=generator, uniform=uniform)
 
 
-def _sr_codes(
+def sr_codes(
     x: torch.Tensor, *, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
 ) -> torch.Tensor:
-    """SR E2M1 codes of a float32 tensor known to hold no NaN (no checks: hot path).
+    """SR E2M1 codes (uint8, 0..15) of a float32 tensor known to hold no NaN.
+
+    :func:`stochastic_round_e2m1` without its checks, for callers that already validated (the hot
+    path of :func:`nvfp4lab.quantize`). ``uniform``: the U[0, 1) draws to use instead of the
+    ``generator``'s (one per element).
 
     The E2M1 grid is uniform within each binade-like segment: step 0.5 on [0, 2),
     1 on [2, 4) and 2 on [4, 6]. So ``lo = floor(a / step) · step`` (exact: the step
