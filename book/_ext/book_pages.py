@@ -71,11 +71,26 @@ PACKAGES: dict[str, tuple[str, dict[str, str]]] = {
 }
 #: Loaded after require.js: the bundle's modules (``@jupyter-widgets/base``, ``controls``, its own
 #: ``dist/libembed-amd``) resolve their assets (icon fonts) relative to their AMD module ids, which
-#: RequireJS would otherwise place under the page's folder.
+#: RequireJS would otherwise place under the page's folder; and html-manager's MathJax 2 call is
+#: given to MathJax 3 (without it, pages with both math and widgets raised ``TypeError: Cannot read
+#: properties of undefined (reading 'Queue')``).
 REQUIRE_CONFIG = """// nvfp4lab book: resolve the ipywidgets modules' assets (icon fonts) from this folder.
 (function () {
   var here = document.currentScript.src.replace(/[?#].*$/, "").replace(/\\/[^\\/]*$/, "");
   require.config({paths: {"@jupyter-widgets": here, "@jupyter-widgets/html-manager/dist": here}});
+})();
+// html-manager 1.0.6 typesets output widgets with MathJax 2's API (MathJax.Hub.Queue); the book loads
+// MathJax 3, which has no Hub. Once MathJax 3 is there, give it that one call, mapped to typesetPromise.
+(function () {
+  function shim() {
+    var mj = window.MathJax;
+    if (mj && mj.version && !mj.Hub) {
+      mj.Hub = {Queue: function () { if (mj.typesetPromise) { mj.typesetPromise(); } }};
+    }
+  }
+  shim();
+  document.addEventListener("DOMContentLoaded", shim);
+  window.addEventListener("load", shim);
 })();
 """
 #: What the pages load, relative to _static/ (the widget scripts in this order: embed-amd.js is an AMD module).
@@ -110,7 +125,7 @@ def fetch(cache: Path) -> Path | None:
             missing from a package, or npm is missing while ``NVFP4LAB_OFFLINE_PAGES=1``.
     """
     marker = cache / ".complete"
-    if marker.is_file() and marker.read_text() == repr(sorted(PACKAGES)):
+    if marker.is_file() and marker.read_text() == repr(sorted(PACKAGES)) + REQUIRE_CONFIG:
         return cache
     npm = shutil.which("npm")
     if npm is None:
@@ -133,7 +148,7 @@ def fetch(cache: Path) -> Path | None:
             with tarfile.open(tarball) as tar:
                 _extract(tar, spec, files, cache)
     (cache / "widgets" / "require-config.js").write_text(REQUIRE_CONFIG)
-    marker.write_text(repr(sorted(PACKAGES)))
+    marker.write_text(repr(sorted(PACKAGES)) + REQUIRE_CONFIG)
     return cache
 
 
