@@ -161,6 +161,10 @@ def train(config: TrainConfig) -> RunResult:
         optimizer.load_state_dict(saved["optimizer"])
         for g, flags in zip(optimizer.param_groups, own_flags):  # this run's implementation, not the saved one's
             g.update(flags)
+        if cfg.graph_optimizer:  # a fused, capturable AdamW keeps its step counts on the device
+            for st in optimizer.state.values():
+                if "step" in st:
+                    st["step"] = st["step"].to(device=device, dtype=torch.float32)
         start_step = int(saved["step"])
         rng = saved["rng"]
         torch.set_rng_state(rng["torch"])
