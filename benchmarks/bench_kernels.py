@@ -75,7 +75,7 @@ def _rotating(make: Callable[[int], Any], nbytes: int, device: str) -> Callable[
 def _meta(device: str) -> dict:
     """What the benchmark adds to the environment block (:func:`nvfp4lab.provenance.environment`):
     the kernels' options and, on CUDA, the SM count, L2 size and nvidia-smi's driver and clock."""
-    meta = {"triton_interpret": kernels.interpreter_mode(), "rht_f64": kernels.RHT_F64, "config": kernels.CONFIG}
+    meta = {"triton_interpret": kernels.interpreter_mode(), "kernel_options": kernels.options().to_dict()}
     if device == "cuda":
         p = torch.cuda.get_device_properties(0)
         meta.update(sm_count=p.multi_processor_count, memory_gib=round(p.total_memory / 2**30, 1),

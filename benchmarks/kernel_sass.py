@@ -32,7 +32,7 @@ import triton  # noqa: E402
 from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
-from nvfp4lab.kernels import CONFIG  # noqa: E402
+from nvfp4lab.kernels import options  # noqa: E402
 from nvfp4lab.kernels import triton_kernels as tk  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -96,7 +96,7 @@ def counts(sass: str) -> collections.Counter:
 
 def cases():
     """name -> (kernel, args, num_warps, elements per thread): the configurations the dispatcher
-    uses for 8192x8192 BF16 inputs (``nvfp4lab.kernels.CONFIG``)."""
+    uses for 8192x8192 BF16 inputs (``nvfp4lab.kernels.options().config``)."""
     rows = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", amax_ptr="*fp32:D", seed_ptr="*i64:D",
                 d32_ptr="*i32:D", s_ptr="*u8:D", v32_ptr="*i32:D", d32_rs="i32:D", s_rs="i32:D", v32_rs="i32:D",
                 inv6="fp32", WORDS=True, REVERSE=False, EVEN=True, I64=False)
@@ -110,7 +110,7 @@ def cases():
                           ("rowwise 1x16 SR", "rows", dict(SR=True, VALUES=False)),
                           ("rowwise 1x16 RNE + values", "rows_values", dict(SR=False, VALUES=True)),
                           ("rowwise 1x16 SR + values", "rows_values", dict(SR=True, VALUES=True))]:
-        c = CONFIG[key]
+        c = options().config[key]
         out[name] = (tk.quantize_rows_kernel, dict(rows, BM=c["BM"], NB=c["NB"], **kw), c["num_warps"],
                      c["BM"] * c["NB"] * 16 / (32 * c["num_warps"]))
     col = dict(VALUES_ROW=False, ROW=False, COL=True, COL_RHT=True, BLOCK2D=False)
@@ -120,10 +120,10 @@ def cases():
                           ("2D 16x16 row+col + values", "slices2d",
                            dict(VALUES_ROW=True, VALUES_COL=False, ROW=True, COL=True, COL_RHT=False, BLOCK2D=True,
                                 SR=False))]:
-        c = CONFIG[key]
+        c = options().config[key]
         out[name] = (tk.quantize_slices_kernel, dict(sl, G=c["G"], BK=c["BK"], **kw), c["num_warps"],
                      16 * c["G"] * c["BK"] / (32 * c["num_warps"]))
-    c = CONFIG["amax_slices"]
+    c = options().config["amax_slices"]
     out["amax pass (rowwise + columnwise RHT)"] = (
         tk.amax_slices_kernel,
         dict(x_ptr="*bf16:D", amax_ptr="*i32:D", M="i32:D", K="i32:D", sxm="i32:D", sxk="i32", ROW=True, COL_RHT=True,

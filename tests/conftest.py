@@ -1,3 +1,4 @@
+import contextlib
 import os
 
 import pytest
@@ -36,3 +37,13 @@ def fused_pair_calls(monkeypatch):
 
     monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
     return calls
+
+
+@pytest.fixture
+def kernel_options():
+    """``kernel_options(**changes)``: run the kernels with :func:`nvfp4lab.kernels.use_options`
+    changes until the end of the test (later calls stack on earlier ones)."""
+    from nvfp4lab import kernels
+
+    with contextlib.ExitStack() as stack:
+        yield lambda **changes: stack.enter_context(kernels.use_options(**changes))

@@ -129,4 +129,4 @@ def test_bench_smoke_writes_json_and_plot(tmp_path):
     from nvfp4lab.provenance import ENVIRONMENT_KEYS
 
     assert tuple(data["environment"]) == ENVIRONMENT_KEYS and data["environment"]["torch"] == torch.__version__
-    assert data["meta"]["config"] and out.with_suffix(".png").exists()
+    assert data["meta"]["kernel_options"]["config"]["rows"]["NB"] > 0 and out.with_suffix(".png").exists()

@@ -233,13 +233,13 @@ def test_gemm_quantizer_in_nvfp4linear():
 
 @pytest.mark.parametrize("shape", [(48, 64), (17, 256), (3, 5, 32)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_one_block_per_thread_kernels_equal_tile_kernels(monkeypatch, shape, dtype):
-    """quantize_rows_kernel / block_values_rows_kernel (ROWS_KERNEL) give the tile kernels' bytes,
+def test_one_block_per_thread_kernels_equal_tile_kernels(kernel_options, shape, dtype):
+    """quantize_rows_kernel / block_values_rows_kernel (options().rows_kernel) give the tile kernels' bytes,
     RNE and SR alike (same Philox counters, so the same stochastic draws)."""
     x = _x(shape, dtype, seed=16)
     outs = []
     for rows_kernel in (True, False):
-        monkeypatch.setattr(kernels, "ROWS_KERNEL", rows_kernel)
+        kernel_options(rows_kernel=rows_kernel)
         g = torch.Generator().manual_seed(3)
         q2 = quantize(x, block="2d")
         outs.append((kernels.quantize_fast(x), kernels.quantize_fast(x, rounding="stochastic", generator=g),
@@ -409,11 +409,11 @@ def test_sr_rowwise_statistics():
     assert not torch.equal(other.data, q.data)
 
 
-def test_sr_fused_columnwise_rht_statistics(monkeypatch):
+def test_sr_fused_columnwise_rht_statistics(kernel_options):
     n = 64
     x = _x((32, 16), torch.bfloat16, seed=12)  # M=32 tokens, K=16 features
     xr = x.repeat(1, n)  # n copies of each feature column: columnwise rows repeat
-    monkeypatch.setitem(kernels.CONFIG, "slices_both", dict(G=2, BK=1024, num_warps=4))  # one program
+    kernel_options(config={"slices_both": dict(G=2, BK=1024, num_warps=4)})  # one program
     row, col = kernels.fused_quantize_rowwise_columnwise(xr, rht=True, rounding="stochastic",
                                                           generator=torch.Generator().manual_seed(1),
                                                           fallback=False)
@@ -452,16 +452,12 @@ def test_returns_none_where_the_fast_path_does_not_apply():
 
 
 def test_rht_fp32_butterfly_mode_is_close_for_bf16():
-    """RHT_F64=False: float32 butterfly; bit-exact for ordinary bf16 data, documented otherwise."""
+    """rht_f64=False: float32 butterfly; bit-exact for ordinary bf16 data, documented otherwise."""
     x = _x((64, 128), torch.bfloat16, seed=9)
-    old = kernels.RHT_F64
-    kernels.RHT_F64 = False
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore")
-            q = kernels.quantize_fast(x, rht=True)
-    finally:
-        kernels.RHT_F64 = old
+    with kernels.use_options(rht_f64=False), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        q = kernels.quantize_fast(x, rht=True)
+    assert kernels.options().rht_f64          # restored
     assert_nvfp4_equal(q, quantize(x, rht=True))
 
 
@@ -499,16 +495,16 @@ def test_e2m1_fast_encoder_matches_thresholds():
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rht", [False, True], ids=["plain", "rht"])
-def test_fused_single_kernel_mode(monkeypatch, dtype, rht):
-    """FUSE_ROW_COL=True: one 16-slice kernel writes both copies (bit-identical too)."""
-    monkeypatch.setattr(kernels, "FUSE_ROW_COL", True)
+def test_fused_single_kernel_mode(kernel_options, dtype, rht):
+    """fuse_row_col=True: one 16-slice kernel writes both copies (bit-identical too)."""
+    kernel_options(fuse_row_col=True)
     x = _x((48, 80), dtype, seed=4)
     row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=rht, fallback=False)
     assert_nvfp4_equal(row, quantize(x))
     assert_nvfp4_equal(col, quantize(x.t(), rht=rht))
     n = 32
     xr = _x((32, 16), dtype, seed=5).repeat(1, n)
-    monkeypatch.setitem(kernels.CONFIG, "slices_both", dict(G=2, BK=512, num_warps=4))
+    kernel_options(config={"slices_both": dict(G=2, BK=512, num_warps=4)})
     row, col = kernels.fused_quantize_rowwise_columnwise(xr, rht=rht, rounding="stochastic", fallback=False)
     ref = quantize(xr.t(), rht=rht)
     assert torch.equal(col.scale.view(torch.uint8), ref.scale.view(torch.uint8))
@@ -558,3 +554,21 @@ def test_sr_encoder_probabilities_over_all_random_bytes():
         assert torch.allclose(frac, p.double(), atol=2**-9 + 2**-16 + 1e-9), (frac - p).abs().max()
         on_grid = a == lo
         assert bool((frac[on_grid] == 0).all())
+
+
+def test_kernel_options_are_immutable_and_scoped():
+    """One immutable options object: use_options changes it for a block, then it is back."""
+    import dataclasses
+
+    base = kernels.options()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        base.slices = False
+    with pytest.raises(TypeError):
+        base.config["rows"]["NB"] = 1
+    with kernels.use_options(slices=False, config={"rows": dict(BM=2, NB=8, num_warps=1)}) as opts:
+        assert kernels.options() is opts and not opts.slices and opts.config["rows"]["NB"] == 8
+        assert opts.config["amax"] == base.config["amax"]          # the other modes keep their values
+    assert kernels.options() is base
+    with pytest.raises(TypeError):
+        with kernels.use_options(no_such_option=True):
+            pass

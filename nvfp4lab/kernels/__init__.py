@@ -42,10 +42,12 @@ input gives unspecified codes.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import math
 import os
 import threading
-from typing import Any, Iterator
+from types import MappingProxyType
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -64,15 +66,17 @@ __all__ = [
     "nvfp4_matmul_fast",
     "quantize_pair_fast",
     "TritonGemmQuantizer",
-    "CONFIG",
+    "KernelOptions",
+    "options",
+    "use_options",
 ]
 
 _INV6 = RCP_E2M1_MAX  # RN_fp32(1/6), passed to the kernels as an fp32 argument
 _INV2688 = RCP_GLOBAL_SCALE_NUMERATOR  # RN_fp32(1/2688)
 _GEMM_FACTOR = GEMM_ALPHA_DENOMINATOR  # 6*6*448*448
 
-#: Tile shapes and warps per kernel mode (tuned on the GPU; edit for sweeps).
-CONFIG: dict[str, dict[str, int]] = {
+#: Tile shapes and warps per kernel mode (tuned on an H200; ``use_options(config=...)`` for sweeps).
+_DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     "amax": dict(BM=64, BK=128, num_warps=8),
     "row": dict(BM=32, BK=256, num_warps=4),
     "col": dict(BM=128, BK=64, num_warps=8),
@@ -93,28 +97,83 @@ CONFIG: dict[str, dict[str, int]] = {
     "slices2d": dict(G=4, BK=64, num_warps=4),
     "amax_slices": dict(G=2, BK=128, num_warps=4),
 }
-#: Use the 16-slice kernel for columnwise outputs whenever M % 16 == 0 (else the tile kernel
-#: with an in-register transpose).
-SLICES = True
-#: fused_quantize_rowwise_columnwise (1x16): one kernel writing both copies from one read of each
-#: tile (True), or a rowwise and a columnwise kernel that read the input once each (False, the
-#: default: the kernels are instruction-bound, and on an H200 the fused kernel's register
-#: pressure made it slower than the two kernels together: 222 vs 86 + 110 us at 8192^2 bf16).
-FUSE_ROW_COL = False
-#: Rowwise 1x16 quantization (no RHT, K % 16 == 0, unit column stride) and BF16 block values by
-#: the one-block-per-thread kernels (quantize_rows_kernel, block_values_rows_kernel); False: the
-#: tile kernels (quantize_kernel, dequantize_kernel). Identical outputs.
-ROWS_KERNEL = True
-#: Run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs).
-#: False: float32 butterfly (faster; see triton_kernels' docstring for what differs).
-RHT_F64 = True
-#: Without a bias, apply the per-tensor factor alpha in cuBLAS's epilogue (device-pointer alpha,
-#: :mod:`nvfp4lab.kernels.cublas`), writing the GEMM output in its final dtype; False: FP32 GEMM
-#: output, then :func:`_epilogue`'s kernel (also the path with a bias, or without cuBLAS).
-CUBLAS_ALPHA = True
-#: E2M1 encode by float32 bit arithmetic (True) or by the 7 thresholds of TE's reference (False);
-#: identical codes.
-E2M1_BITS = True
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelOptions:
+    """How the kernels run: one immutable object instead of module flags (identical outputs for
+    every choice, except ``rht_f64=False``, see below). The options in force are :func:`options`;
+    :func:`use_options` changes them for a block of code (this thread).
+
+    Attributes:
+        slices: use the 16-slice kernel for columnwise outputs whenever M % 16 == 0 (else the tile
+            kernel with an in-register transpose).
+        fuse_row_col: :func:`fused_quantize_rowwise_columnwise` (1x16) writes both copies from one
+            kernel (True) or runs a rowwise and a columnwise kernel that read the input once each
+            (False, the default: the kernels are instruction-bound, and on an H200 the fused kernel's
+            register pressure made it slower than the two together: 222 vs 86 + 110 us at 8192² bf16).
+        rows_kernel: rowwise 1x16 quantization (no RHT, K % 16 == 0, unit column stride) and BF16
+            block values by the one-block-per-thread kernels; False: the tile kernels.
+        rht_f64: run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs);
+            False: a float32 butterfly (faster; see ``triton_kernels``' docstring for what differs).
+        cublas_alpha: without a bias, apply the per-tensor factor alpha in cuBLAS's epilogue
+            (device-pointer alpha, :mod:`nvfp4lab.kernels.cublas`); False: FP32 GEMM output, then
+            the epilogue kernel (also the path with a bias, or without cuBLAS).
+        e2m1_bits: E2M1 encode by float32 bit arithmetic (True) or by the 7 thresholds of TE's
+            reference (False); identical codes.
+        config: tile shapes and warps per kernel mode (read-only mappings).
+    """
+
+    slices: bool = True
+    fuse_row_col: bool = False
+    rows_kernel: bool = True
+    rht_f64: bool = True
+    cublas_alpha: bool = True
+    e2m1_bits: bool = True
+    config: Mapping[str, Mapping[str, int]] = dataclasses.field(
+        default_factory=lambda: MappingProxyType({k: MappingProxyType(dict(v)) for k, v in _DEFAULT_CONFIG.items()}))
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain data (for result files): the flags and the tile configs."""
+        out = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+        out["config"] = {k: dict(v) for k, v in self.config.items()}
+        return out
+
+
+_DEFAULT_OPTIONS = KernelOptions()
+
+
+def options() -> KernelOptions:
+    """The :class:`KernelOptions` in force in this thread."""
+    return getattr(_state, "options", _DEFAULT_OPTIONS)
+
+
+@contextlib.contextmanager
+def use_options(**changes: Any) -> Iterator[KernelOptions]:
+    """Within the block (this thread), run the kernels with ``options()`` changed by ``changes``.
+
+    ``config=`` may give only the modes to change (``config={"slices_both": dict(G=2, BK=512,
+    num_warps=4)}``); the others keep their values.
+
+    Raises:
+        TypeError: an unknown option name.
+    """
+    current = options()
+    if "config" in changes:
+        merged = {k: dict(v) for k, v in current.config.items()}
+        merged.update({k: dict(v) for k, v in changes["config"].items()})
+        changes["config"] = MappingProxyType({k: MappingProxyType(v) for k, v in merged.items()})
+    new = dataclasses.replace(current, **changes)
+    prev = getattr(_state, "options", None)
+    _state.options = new
+    try:
+        yield new
+    finally:
+        if prev is None:
+            del _state.options
+        else:
+            _state.options = prev
+
 
 _state = threading.local()
 _KERNELS: Any = None
@@ -248,7 +307,9 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
-    rf64 = bool(RHT_F64)
+    opts = options()
+    rf64 = opts.rht_f64
+    CONFIG = opts.config
     round_bf16 = x2.dtype == torch.bfloat16
     need_row_amax = (row or block2d) and amax_row is None
     need_col_amax = col and not block2d and amax_col is None
@@ -259,7 +320,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     if need_row_amax or need_col_amax:
         do_row = need_row_amax or (need_col_amax and not col_rht)
         do_col_rht = need_col_amax and col_rht
-        if do_col_rht and SLICES and M % 16 == 0 and not row_rht:
+        if do_col_rht and opts.slices and M % 16 == 0 and not row_rht:
             a_cfg = CONFIG["amax_slices"]
             G, BK = a_cfg["G"], a_cfg["BK"]
             k.amax_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
@@ -297,7 +358,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     reverse = need_row_amax or need_col_amax
 
     def launch(row_: bool, col_: bool) -> None:
-        if ROWS_KERNEL and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
+        if opts.rows_kernel and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
             key = "rows_values" if values[0] else "rows"
             cfg = CONFIG[key if (K // 16) % CONFIG[key]["NB"] == 0 else key + "_narrow"]
             BM, NB = cfg["BM"], cfg["NB"]
@@ -311,7 +372,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
             out_v[0] = v
             return
-        use_slices = SLICES and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
+        use_slices = opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
         if use_slices:
             mode = "slices2d" if block2d else ("slices_both" if row_ else ("slices_col_sr" if sr else "slices_col"))
             cfg = CONFIG[mode]
@@ -325,7 +386,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 Kh, K16, Mh // 4, M16, K, M, _INV6, VALUES_ROW=v is not None, VALUES_COL=vt is not None,
                 ROW=row_, COL=col_, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
-                REVERSE=reverse, E2M1_BITS=bool(E2M1_BITS),
+                REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
                 EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
             if v is not None:
                 out_v[0] = v
@@ -339,10 +400,10 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 Kh, K16, Mh, M16, _INV6,
                 ROW=row_, COL=col_, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
-                REVERSE=reverse, E2M1_BITS=bool(E2M1_BITS),
+                REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
                 EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
 
-    if row and col and not block2d and not FUSE_ROW_COL:
+    if row and col and not block2d and not opts.fuse_row_col:
         launch(True, False)
         launch(False, True)
     else:
@@ -506,7 +567,9 @@ def _decode(t: NVFP4Tensor, global_scale: bool, undo_rht: bool) -> torch.Tensor 
     k = _kernels()
     out = torch.empty(M, K, dtype=torch.bfloat16, device=t.device)
     data = t.data
-    if (ROWS_KERNEL and not global_scale and not undo_rht and K % 16 == 0 and data.is_contiguous()
+    opts = options()
+    CONFIG = opts.config
+    if (opts.rows_kernel and not global_scale and not undo_rht and K % 16 == 0 and data.is_contiguous()
             and data.data_ptr() % 16 == 0):
         cfg = CONFIG["values"]
         BM, NB = cfg["BM"], cfg["NB"]
@@ -588,7 +651,7 @@ def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = t
     (``torch.mm(..., out_dtype=torch.float32)``) computes the same sum up to FP32 accumulation
     order; ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` is applied in FP32, ``bias`` (FP32)
     added and the sum rounded once to ``out_dtype``, the reference's operations in its order.
-    Without a bias (and with ``CUBLAS_ALPHA``), cuBLAS applies alpha itself, read from device
+    Without a bias (and with ``options().cublas_alpha``), cuBLAS applies alpha itself, read from device
     memory, and writes ``out_dtype`` directly (:mod:`nvfp4lab.kernels.cublas`); otherwise the
     GEMM writes FP32 and one epilogue kernel does the rest. Same checks and errors as the
     reference.
@@ -606,7 +669,7 @@ def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = t
     if not (available(a.device) and available(b.device)):
         return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
     va, vb = block_values_bf16(a), block_values_bf16(b)
-    if CUBLAS_ALPHA and bias is None and out_dtype in (torch.float32, torch.bfloat16) and va.is_cuda:
+    if options().cublas_alpha and bias is None and out_dtype in (torch.float32, torch.bfloat16) and va.is_cuda:
         from . import cublas
 
         if cublas.available():

@@ -202,18 +202,17 @@ def test_cublas_device_alpha_epilogue_bit_exact(out_dtype, layout):
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_matmul_fast_cublas_alpha_equals_epilogue_path(monkeypatch, out_dtype):
+def test_matmul_fast_cublas_alpha_equals_epilogue_path(out_dtype):
     """nvfp4_matmul_fast with alpha in cuBLAS's epilogue == the FP32-output + epilogue-kernel path
     (up to FP32 accumulation order), and a NaN amax still makes every output NaN."""
     a = kernels.quantize_fast(_x((2048, 1024), torch.bfloat16, seed=22))
     b = kernels.quantize_fast(_x((768, 1024), torch.bfloat16, seed=23), block="2d")
     out = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
-    monkeypatch.setattr(kernels, "CUBLAS_ALPHA", False)
-    ref = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
+    with kernels.use_options(cublas_alpha=False):
+        ref = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
     assert out.dtype == ref.dtype == out_dtype
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < (1e-5 if out_dtype == torch.float32 else 4e-3), rel
-    monkeypatch.setattr(kernels, "CUBLAS_ALPHA", True)
     a.amax.fill_(float("nan"))
     assert torch.isnan(kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)).all()
 
@@ -348,15 +347,11 @@ def test_e4m3_and_bf16_rounding_on_gpu():
 
 
 def test_rht_fp32_butterfly_mismatch_rate():
-    """RHT_F64=False (FP32 butterfly) on bf16: report how many codes differ at 8192² (expected ~a few)."""
+    """rht_f64=False (FP32 butterfly) on bf16: report how many codes differ at 8192² (expected ~a few)."""
     x = _x((8192, 8192), torch.bfloat16, seed=11)
     ref = _ref(x.t(), rht=True)
-    old = kernels.RHT_F64
-    kernels.RHT_F64 = False
-    try:
+    with kernels.use_options(rht_f64=False):
         q = kernels.quantize_fast(x.t(), rht=True)
-    finally:
-        kernels.RHT_F64 = old
     differ = (q.codes() != ref.codes()).sum().item()
     print(f"FP32 butterfly: {differ} of {x.numel()} codes differ from the exact RHT")
     assert differ <= 1e-5 * x.numel()
