@@ -309,7 +309,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     dev = x2.device
     opts = options()
     rf64 = opts.rht_f64
-    CONFIG = opts.config
+    config = opts.config
     round_bf16 = x2.dtype == torch.bfloat16
     need_row_amax = (row or block2d) and amax_row is None
     need_col_amax = col and not block2d and amax_col is None
@@ -321,7 +321,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         do_row = need_row_amax or (need_col_amax and not col_rht)
         do_col_rht = need_col_amax and col_rht
         if do_col_rht and opts.slices and M % 16 == 0 and not row_rht:
-            a_cfg = CONFIG["amax_slices"]
+            a_cfg = config["amax_slices"]
             G, BK = a_cfg["G"], a_cfg["BK"]
             k.amax_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
                 x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1), ROW=do_row, COL_RHT=True,
@@ -329,7 +329,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
                 num_warps=a_cfg["num_warps"], **_launch_opts())
         else:
-            a_cfg = CONFIG["amax"]
+            a_cfg = config["amax"]
             BM, BK = a_cfg["BM"], a_cfg["BK"]
             k.amax_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
                 x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1),
@@ -360,7 +360,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     def launch(row_: bool, col_: bool) -> None:
         if opts.rows_kernel and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
             key = "rows_values" if values[0] else "rows"
-            cfg = CONFIG[key if (K // 16) % CONFIG[key]["NB"] == 0 else key + "_narrow"]
+            cfg = config[key if (K // 16) % config[key]["NB"] == 0 else key + "_narrow"]
             BM, NB = cfg["BM"], cfg["NB"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
             # BF16 pairs loaded as int32 words where the rows are 4-byte aligned
@@ -375,7 +375,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         use_slices = opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
         if use_slices:
             mode = "slices2d" if block2d else ("slices_both" if row_ else ("slices_col_sr" if sr else "slices_col"))
-            cfg = CONFIG[mode]
+            cfg = config[mode]
             G, BK = cfg["G"], cfg["BK"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] and row_ and block2d else None
             vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
@@ -392,7 +392,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 out_v[0] = v
             out_v[1] = vt
         else:
-            cfg = CONFIG["2d" if block2d else ("both" if row_ and col_ else ("row" if row_ else "col"))]
+            cfg = config["2d" if block2d else ("both" if row_ and col_ else ("row" if row_ else "col"))]
             BM, BK = cfg["BM"], cfg["BK"]
             k.quantize_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
@@ -568,17 +568,17 @@ def _decode(t: NVFP4Tensor, global_scale: bool, undo_rht: bool) -> torch.Tensor 
     out = torch.empty(M, K, dtype=torch.bfloat16, device=t.device)
     data = t.data
     opts = options()
-    CONFIG = opts.config
+    config = opts.config
     if (opts.rows_kernel and not global_scale and not undo_rht and K % 16 == 0 and data.is_contiguous()
             and data.data_ptr() % 16 == 0):
-        cfg = CONFIG["values"]
+        cfg = config["values"]
         BM, NB = cfg["BM"], cfg["NB"]
         k.block_values_rows_kernel[(_cdiv(M, BM), _cdiv(K // 16, NB))](
             data.view(torch.int32), t.scale.view(torch.uint8), out.view(torch.int16), M, K,
             K // 8, t.scale.stride(0), out.stride(0), BLOCK2D=t.block == "2d", BM=BM, NB=NB,
             num_warps=cfg["num_warps"], **_launch_opts())
         return out
-    cfg = CONFIG["dequant"]
+    cfg = config["dequant"]
     BM, BK = cfg["BM"], cfg["BK"]
     grid = (_cdiv(M, BM), _cdiv(K, BK))
     k.dequantize_kernel[grid](
