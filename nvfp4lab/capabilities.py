@@ -602,12 +602,12 @@ def _cuda_version() -> str | None:
 
 
 def _software_info() -> dict[str, Any]:
-    """Versions from :func:`nvfp4lab.provenance.environment`, and whether Triton imports."""
-    from .provenance import environment
+    """Versions from :func:`nvfp4lab.provenance.software_versions`, and whether Triton imports."""
+    from .provenance import software_versions
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        env = environment("cpu")   # the versions; the device facts come from _gpu_info
+        env = software_versions()
     triton_version, triton_error = None, None
     try:
         triton = _quiet_import("triton")

@@ -48,7 +48,8 @@ from typing import Any, Mapping
 
 import torch
 
-__all__ = ["ENVIRONMENT_KEYS", "SCHEMA", "environment", "git_commit", "gpu_facts", "provenance_table", "utc_now"]
+__all__ = ["ENVIRONMENT_KEYS", "SCHEMA", "environment", "git_commit", "gpu_facts", "provenance_table",
+           "software_versions", "utc_now"]
 
 SCHEMA = "nvfp4lab.environment/1"
 
@@ -153,6 +154,22 @@ def gpu_facts(device: torch.device | str = "cuda") -> dict[str, Any]:
             "compute_capability": [int(props.major), int(props.minor)], "total_memory_bytes": int(props.total_memory)}
 
 
+def software_versions() -> dict[str, Any]:
+    """The software part of :func:`environment`: ``python``, ``platform``, ``torch``, ``cuda``,
+    ``cudnn``, ``triton``, ``transformer_engine``, ``numpy`` (``None`` where absent). No subprocess
+    and no import of Triton or TE (their versions come from package metadata)."""
+    return dict(
+        python=platform.python_version(),
+        platform=platform.platform(),
+        torch=str(torch.__version__),
+        cuda=torch.version.cuda,
+        cudnn=_cudnn_version(),
+        triton=_distribution_version("triton"),
+        transformer_engine=_distribution_version("transformer-engine", "transformer_engine"),
+        numpy=_distribution_version("numpy"),
+    )
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """The environment block of a result file: versions, device, git commit and date.
 
@@ -180,14 +197,7 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
         date_utc=utc_now(),
         git_commit=git_commit(),
         nvfp4lab=__version__,
-        python=platform.python_version(),
-        platform=platform.platform(),
-        torch=str(torch.__version__),
-        cuda=torch.version.cuda,
-        cudnn=_cudnn_version(),
-        triton=_distribution_version("triton"),
-        transformer_engine=_distribution_version("transformer-engine", "transformer_engine"),
-        numpy=_distribution_version("numpy"),
+        **software_versions(),
         device_type=device.type,
         device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,
         cpu=_cpu_name(),
