@@ -49,6 +49,7 @@ from .formats import (
     GLOBAL_SCALE_NUMERATOR,
     rne_codes,
     check_float_tensor,
+    check_no_nan,
     decode_e2m1,
     pack_fp4,
     to_e4m3,
@@ -286,10 +287,7 @@ def _check_input_values(x2: torch.Tensor) -> None:
     lo, hi = torch.aminmax(x2)
     lo, hi = float(lo), float(hi)
     if math.isnan(lo) or math.isnan(hi):
-        raise ValueError(
-            "quantize input contains NaN; NVFP4 has no NaN encoding and TE's reference would "
-            "silently turn it into code 0 (TE reference_nvfp4.py::cast_to_fp4x2)"
-        )
+        check_no_nan(x2, "quantize input")   # raises, with the one NaN message
     if math.isinf(lo) or math.isinf(hi):
         warnings.warn(
             "quantize input contains ±Inf: the per-tensor amax is inf, so the global encode scale "
