@@ -77,20 +77,21 @@ class _ProgressLines:
 
     PERIOD_S = 30.0
 
-    def __init__(self, steps: int, start_step: int, tokens_per_step: int) -> None:
+    def __init__(self, steps: int, tokens_per_step: int) -> None:
         self.steps, self.every, self.tokens_per_step = steps, max(1, steps // 10), tokens_per_step
-        self.last_t, self.time, self.timed = time.perf_counter(), 0.0, 0
+        self.last_t = time.perf_counter()
 
-    def __call__(self, done: int, dt: float, loss: float, val: float | None) -> str | None:
-        self.time, self.timed = self.time + dt, self.timed + 1
+    def __call__(self, done: int, step_times: Sequence[float], loss: float, val: float | None) -> str | None:
+        """The line after step ``done`` (or None), from this session's ``step_times`` (seconds)."""
         now = time.perf_counter()
         if not (done % self.every == 0 or done == self.steps or now - self.last_t >= self.PERIOD_S):
             return None
         self.last_t = now
-        eta = (self.steps - done) * self.time / self.timed
+        spent = sum(step_times)
+        eta = (self.steps - done) * spent / len(step_times)
         val_text = f"val {val:.4f}" if val is not None else "val -"
         return (f"step {done}/{self.steps}  loss {loss:.4f}  {val_text}  "
-                f"{self.tokens_per_step * self.timed / self.time:,.0f} tok/s  ETA {_fmt_seconds(eta)}")
+                f"{self.tokens_per_step * len(step_times) / spent:,.0f} tok/s  ETA {_fmt_seconds(eta)}")
 
 
 def _fmt_seconds(s: float) -> str:
@@ -279,7 +280,7 @@ def train(config: TrainConfig) -> RunResult:
              "schedule_steps": schedule_steps})
     bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.name, unit="step", dynamic_ncols=True,
                disable=None if cfg.progress is None else cfg.progress is not True, file=sys.stderr)
-    progress_line = _ProgressLines(cfg.steps, start_step, tokens_per_step) if cfg.progress == "lines" else None
+    progress_line = _ProgressLines(cfg.steps, tokens_per_step) if cfg.progress == "lines" else None
     model.train()
     cooled = False
     graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
@@ -379,7 +380,7 @@ def train(config: TrainConfig) -> RunResult:
                 checkpoint(done)
             bar.update(1)
             if progress_line is not None:
-                line = progress_line(done, dt, loss_val, val_curve[-1][1] if val_curve else None)
+                line = progress_line(done, step_times, loss_val, val_curve[-1][1] if val_curve else None)
                 if line:
                     say(line)
     except NonFiniteError as exc:
