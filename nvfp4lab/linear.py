@@ -56,6 +56,7 @@ import torch.nn.functional as F
 
 from .fp8 import FP8Linear, FP8Recipe
 from .precisions import EMULATED, canonical_name
+from .quantize import nvfp4_matmul, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
 
 __all__ = [
@@ -80,7 +81,7 @@ class GemmQuantizer(Protocol):
     also define ``quantize_pair(x, row_options, col_options, generator=, values=)`` returning
     the rowwise copy of ``x`` [M, K] and the columnwise copy (``xᵀ`` quantized along M)
     together, or ``None`` to decline (``values``: which of the two should carry its BF16 block
-    values for the GEMM, see :func:`nvfp4lab.kernels.fused_quantize_rowwise_columnwise`);
+    values for the GEMM, see :func:`nvfp4lab.quantize.quantize_rowwise_columnwise`);
     :class:`NVFP4Linear` then
     neither transposes nor scans for NaN (the kernels' NaN-propagating amaxes make the
     outputs NaN instead, with no host synchronisation).
@@ -93,31 +94,23 @@ class GemmQuantizer(Protocol):
 
 
 class NVFP4GemmQuantizer:
-    """The default: :func:`nvfp4lab.quantize.quantize` and :func:`nvfp4lab.quantize.nvfp4_matmul`.
-
-    Both take the Triton kernels of :mod:`nvfp4lab.kernels` on CUDA; ``quantize_pair`` takes
-    the fused rowwise + columnwise kernels on CUDA and declines elsewhere.
+    """The default: :func:`nvfp4lab.quantize.quantize`, :func:`~nvfp4lab.quantize.quantize_rowwise_columnwise`
+    and :func:`nvfp4lab.quantize.nvfp4_matmul`, which take the Triton kernels wherever they run and
+    cover the options (the decision is theirs); ``quantize_pair`` declines (``None``) where the
+    kernels do not cover the pair, so that the layer pads and transposes for the reference itself.
     """
 
     name = "nvfp4"
 
     def quantize(self, x: torch.Tensor, **options: Any):
-        from .quantize import quantize
-
         return quantize(x, **options)
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
                       generator: torch.Generator | None = None, values: tuple[bool, bool] = (False, False)):
-        if not x.is_cuda:
-            return None
-        from . import kernels
-
-        return kernels.quantize_pair_fast(x, row, col, generator=generator, values=values)
+        return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        from .quantize import nvfp4_matmul
-
         return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
 
 
