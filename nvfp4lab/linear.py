@@ -140,12 +140,15 @@ class IdentityQuantizer:
 class GemmOperand:
     """One quantized GEMM operand, as recorded by :func:`capture_gemm_operands`.
 
-    gemm : "fprop" | "dgrad" | "wgrad".  operand : "x", "w" (Fprop), "dy", "wt" (Dgrad),
-    "dyt", "xt" (Wgrad).  layer : the layer's name (set by :func:`convert_model`).
-    options : the keyword arguments given to the quantizer (without ``generator``).
-    rng_state : the SR generator's state just before the call (None when rounding is RNE).
-    source : the exact high-precision tensor handed to the quantizer (after transposing and
-    padding).  tensor : the quantized result (an ``NVFP4Tensor`` with the default quantizer).
+    Attributes:
+        gemm: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        operand: ``"x"``, ``"w"`` (Fprop), ``"dy"``, ``"wt"`` (Dgrad), ``"dyt"``, ``"xt"`` (Wgrad).
+        layer: the layer's name (set by :func:`convert_model`).
+        options: the keyword arguments given to the quantizer (without ``generator``).
+        rng_state: the SR generator's state just before the call (``None`` when rounding is RNE).
+        source: the exact high-precision tensor handed to the quantizer (after transposing and
+            padding).
+        tensor: the quantized result (an ``NVFP4Tensor`` with the default quantizer).
     """
 
     gemm: str
@@ -361,24 +364,24 @@ class _NVFP4LinearFunction(torch.autograd.Function):
 class NVFP4Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (bias supported) whose Fprop, Dgrad and Wgrad GEMMs are emulated NVFP4.
 
-    Parameters
-    ----------
-    in_features, out_features, bias, device, dtype : as ``nn.Linear``.
-    recipe : :class:`~nvfp4lab.recipe.NVFP4Recipe` (default: TE's defaults, RHT + SR + 2D).
-    generator : ``torch.Generator`` for stochastic rounding of gradients, on the device of the
-        activations. Default: one per device seeded with ``seed`` (lazily created). Give every
-        layer the same generator, seeded from the training seed, and save its state in
-        checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train` does).
-    seed : seed of the default generator (ignored when ``generator`` is given).
-    quantizer : a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
-    name : label used in :class:`GemmOperand` records.
-
     Input ``[..., in_features]`` of a floating dtype; output ``[..., out_features]`` in the input's
     dtype (the autocast dtype under ``torch.autocast``). ``quantize_enabled = False`` makes the
-    layer a plain ``nn.Linear`` (the BF16 cooldown of the paper's appendix).
+    layer a plain ``nn.Linear`` (the BF16 cooldown of the paper's appendix D).
 
-    Raises ``ValueError`` if the input's last dimension is not ``in_features`` and ``TypeError``
-    for a non-floating input.
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: :class:`~nvfp4lab.recipe.NVFP4Recipe` (default: TE's defaults, RHT + SR + 2D).
+        generator: ``torch.Generator`` for stochastic rounding of gradients, on the device of the
+            activations. Default: one per device seeded with ``seed`` (lazily created). Give every
+            layer the same generator, seeded from the training seed, and save its state in
+            checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train` does).
+        seed: seed of the default generator (ignored when ``generator`` is given).
+        quantizer: a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
+        name: label used in :class:`GemmOperand` records.
+
+    Raises:
+        ValueError: the input's last dimension is not ``in_features``.
+        TypeError: a non-floating input.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -482,27 +485,37 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
                   block_pattern: str = DEFAULT_BLOCK_PATTERN) -> nn.Module:
     """Swap the chosen ``nn.Linear`` layers of ``model`` (in place) for the given precision.
 
-    precision :
-        ``"fp32"`` / ``"bf16"``: nothing is swapped (BF16 is the trainer's autocast).
-        ``"nvfp4"``: linear layers inside transformer blocks become :class:`NVFP4Linear`, except
-        those in the recipe's first ``bf16_first_layers`` and last ``bf16_last_layers`` blocks;
-        linear layers outside the blocks (the LM head) only if ``recipe.quantize_lm_head``.
-        ``"fp8"`` / ``"fp8-current"``: every linear layer inside the blocks becomes an
-        :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes quantize every ``te.Linear``; the head,
-        plain torch in a TE model, stays high precision). ``recipe`` is ignored.
-    recipe : the NVFP4 recipe (default ``NVFP4Recipe()``).
-    generator, seed : SR generator shared by all NVFP4 layers. Default: each layer lazily creates
-        its own generator on the activations' device, seeded with ``seed + i`` for the i-th linear
-        layer of the model (distinct, reproducible streams; see :class:`NVFP4Linear`).
-    block_pattern : regex whose group 1 is the block index in a module name.
-
     Parameters are shared with the original layers, so weight tying survives and the
     ``state_dict`` keys do not change: checkpoints are interchangeable across precisions.
     Layers that are already NVFP4/FP8 are converted back to their high-precision view first.
+    Which layers are quantized is :func:`nvfp4lab.recipe.layer_is_quantized`.
 
-    Raises ``ValueError`` for an unknown precision, a model without numbered blocks (for
-    fp8/nvfp4), or a recipe whose layer selection does not fit the model
-    (:meth:`NVFP4Recipe.check_num_blocks`).
+    Args:
+        model: the model, changed in place and returned.
+        precision: ``"fp32"`` / ``"bf16"``: nothing is swapped (BF16 is the trainer's autocast).
+            ``"nvfp4"``: linear layers inside transformer blocks become :class:`NVFP4Linear`,
+            except those in the recipe's first ``bf16_first_layers`` and last
+            ``bf16_last_layers`` blocks; linear layers outside the blocks (the LM head) only if
+            ``recipe.quantize_lm_head``. ``"fp8"`` / ``"fp8-current"``: every linear layer
+            inside the blocks becomes an :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes
+            quantize every ``te.Linear``; the head, plain torch in a TE model, stays high
+            precision); ``recipe`` is ignored.
+        recipe: the NVFP4 recipe (default ``NVFP4Recipe()``).
+        fp8_recipe: the FP8 recipe (default ``FP8Recipe()``).
+        generator, seed: SR generator shared by all NVFP4 layers. Default: each layer lazily
+            creates its own generator on the activations' device, seeded with ``seed + i`` for
+            the i-th linear layer of the model (distinct, reproducible streams).
+        quantizer: the :class:`GemmQuantizer` of every NVFP4 layer (default
+            :class:`NVFP4GemmQuantizer`).
+        block_pattern: regex whose group 1 is the block index in a module name.
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: an unknown precision, a model without numbered blocks (for fp8/nvfp4), or a
+            recipe whose layer selection does not fit the model
+            (:meth:`NVFP4Recipe.check_num_blocks`).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")

@@ -7,6 +7,7 @@ Issue 12's rules, checked on the source with :mod:`ast`, so that they hold as th
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -110,3 +111,42 @@ def test_no_private_names_across_modules(module):
                 and node.attr.startswith("_") and not node.attr.startswith("__")):
             bad.append(f"line {node.lineno}: {node.value.id}.{node.attr}")
     assert not bad, f"{module} uses private names of other modules: {bad}"
+
+
+_NUMPY_SECTION = re.compile(r"^\s*(Parameters|Returns|Raises|Attributes|Yields|Notes|Examples)\s*\n\s*-{3,}\s*$", re.M)
+_NUMPY_FIELD = re.compile(r"^\s*\w+(, \w+)* : \S", re.M)
+
+
+def _definitions(module: str):
+    tree = ast.parse(MODULES[module].read_text())
+    yield "module", tree, True
+    for node in tree.body:
+        if isinstance(node, (ast.FunctionDef, ast.ClassDef)):
+            yield node.name, node, not node.name.startswith("_")
+            if isinstance(node, ast.ClassDef):
+                for sub in node.body:
+                    if isinstance(sub, ast.FunctionDef):
+                        yield f"{node.name}.{sub.name}", sub, False
+
+
+def test_docstring_style_checker_flags_numpy_style():
+    assert _NUMPY_SECTION.search("Sum.\n\nParameters\n----------\nx : int\n")
+    assert _NUMPY_FIELD.search("Sum.\n\n    x : int\n        the value\n")
+    assert not _NUMPY_SECTION.search("Sum.\n\nArgs:\n    x: the value.\n")
+    assert not _NUMPY_FIELD.search("Sum.\n\nArgs:\n    x: the value.\n")
+
+
+@pytest.mark.parametrize("module", sorted(MODULES))
+def test_docstrings_google_style(module):
+    """Public module-level functions and classes have docstrings, and every docstring uses the
+    Google style of ``quantize.py`` (``Args:``/``Returns:``/``Raises:``), not numpy sections."""
+    missing, numpy_style = [], []
+    for name, node, required in _definitions(module):
+        doc = ast.get_docstring(node)
+        if doc is None:
+            if required:
+                missing.append(name)
+        elif _NUMPY_SECTION.search(doc) or _NUMPY_FIELD.search(doc):
+            numpy_style.append(name)
+    assert not missing, f"{module}: public definitions without a docstring: {missing}"
+    assert not numpy_style, f"{module}: numpy-style docstrings (use Google style): {numpy_style}"

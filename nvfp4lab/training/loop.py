@@ -42,6 +42,8 @@ class NonFiniteError(RuntimeError):
 
 
 def rss_bytes() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm``; elsewhere the
+    process-lifetime peak from ``resource.getrusage``): the CPU runs' memory figure."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
