@@ -58,6 +58,7 @@ from .fp8 import FP8Linear, FP8Recipe
 from .precisions import EMULATED, canonical_name
 from .quantize import nvfp4_matmul, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
+from .rounding import SRStream
 
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
@@ -106,7 +107,7 @@ class NVFP4GemmQuantizer:
         return quantize(x, **options)
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
-                      generator: torch.Generator | None = None, values: tuple[bool, bool] = (False, False)):
+                      generator: "torch.Generator | SRStream | None" = None, values: tuple[bool, bool] = (False, False)):
         return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
@@ -159,6 +160,15 @@ class GemmOperand:
     source: torch.Tensor
     tensor: Any
 
+    def rng(self) -> "torch.Generator | SRStream | None":
+        """A fresh SR random source in the state this operand was drawn from (``None`` for RNE):
+        ``quantize(source, generator=op.rng(), **op.options)`` reproduces :attr:`tensor`."""
+        if self.rng_state is None:
+            return None
+        if self.rng_state.dtype == torch.int64:  # an SRStream's [key, counter]
+            return SRStream(0, self.source.device).set_state(self.rng_state)
+        return torch.Generator(device=self.source.device).set_state(self.rng_state)
+
 
 _OBSERVERS: list[Callable[[GemmOperand], None]] = []
 
@@ -185,17 +195,18 @@ class _LayerState:
     recipe: NVFP4Recipe
     quantizer: Any
     name: str = ""
-    generator: torch.Generator | None = None
+    generator: "torch.Generator | SRStream | None" = None
     seed: int = 0
-    _generators: dict[str, torch.Generator] = field(default_factory=dict)
+    _streams: dict[str, SRStream] = field(default_factory=dict)
 
-    def sr_generator(self, device: torch.device) -> torch.Generator:
+    def sr_generator(self, device: torch.device) -> "torch.Generator | SRStream":
+        """The SR random source: the one given, else this layer's :class:`SRStream` on ``device``."""
         if self.generator is not None:
             return self.generator
         key = str(device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[key]
+        if key not in self._streams:
+            self._streams[key] = SRStream(self.seed, device)
+        return self._streams[key]
 
 
 def _observe(state: _LayerState, gemm: str, operand: str, options: dict, rng_state, source, q) -> None:
@@ -371,11 +382,13 @@ class NVFP4Linear(nn.Linear):
     Args:
         in_features, out_features, bias, device, dtype: as ``nn.Linear``.
         recipe: :class:`~nvfp4lab.recipe.NVFP4Recipe` (default: TE's defaults, RHT + SR + 2D).
-        generator: ``torch.Generator`` for stochastic rounding of gradients, on the device of the
-            activations. Default: one per device seeded with ``seed`` (lazily created). Give every
-            layer the same generator, seeded from the training seed, and save its state in
-            checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train` does).
-        seed: seed of the default generator (ignored when ``generator`` is given).
+        generator: the random source of stochastic rounding of gradients, on the device of the
+            activations: an :class:`~nvfp4lab.rounding.SRStream` (capturable in CUDA graphs with
+            no registration) or a ``torch.Generator``. Default: an ``SRStream`` per device seeded
+            with ``seed`` (lazily created). Give every layer the same stream, seeded from the
+            training seed, and save its state in checkpoints, for bit-identical resumes (what
+            :func:`nvfp4lab.train` does).
+        seed: seed of the default stream (ignored when ``generator`` is given).
         quantizer: a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
         name: label used in :class:`GemmOperand` records.
 
@@ -386,7 +399,7 @@ class NVFP4Linear(nn.Linear):
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, recipe: NVFP4Recipe | None = None,
-                 generator: torch.Generator | None = None, seed: int = 0,
+                 generator: "torch.Generator | SRStream | None" = None, seed: int = 0,
                  quantizer: GemmQuantizer | None = None, name: str = "") -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(recipe, generator, seed, quantizer, name)
@@ -402,7 +415,7 @@ class NVFP4Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, recipe: NVFP4Recipe | None = None,
-                    generator: torch.Generator | None = None, seed: int = 0,
+                    generator: "torch.Generator | SRStream | None" = None, seed: int = 0,
                     quantizer: GemmQuantizer | None = None, name: str = "") -> "NVFP4Linear":
         """Wrap an existing ``nn.Linear``, sharing (not copying) its ``weight`` and ``bias``."""
         new = cls.__new__(cls)
@@ -424,11 +437,11 @@ class NVFP4Linear(nn.Linear):
         self._state.recipe = value
 
     @property
-    def generator(self) -> torch.Generator | None:
+    def generator(self) -> "torch.Generator | SRStream | None":
         return self._state.generator
 
     @generator.setter
-    def generator(self, value: torch.Generator | None) -> None:
+    def generator(self, value: "torch.Generator | SRStream | None") -> None:
         self._state.generator = value
 
     @property
@@ -480,7 +493,7 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
 
 
 def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None = None, *,
-                  fp8_recipe: FP8Recipe | None = None, generator: torch.Generator | None = None,
+                  fp8_recipe: FP8Recipe | None = None, generator: "torch.Generator | SRStream | None" = None,
                   seed: int = 0, quantizer: GemmQuantizer | None = None,
                   block_pattern: str = DEFAULT_BLOCK_PATTERN) -> nn.Module:
     """Swap the chosen ``nn.Linear`` layers of ``model`` (in place) for the given precision.

@@ -57,7 +57,7 @@ from .formats import (
 )
 from . import kernels
 from .hadamard import RHT_SIZE, WGRAD_SIGNS, inverse_random_hadamard_transform, random_hadamard_transform
-from .rounding import sr_codes
+from .rounding import SRStream, sr_codes
 
 __all__ = [
     "BLOCK_SIZE",
@@ -376,7 +376,7 @@ def quantize(
     block: Block = "1d",
     rht: bool = False,
     rounding: Rounding = "nearest",
-    generator: torch.Generator | None = None,
+    generator: "torch.Generator | SRStream | None" = None,
     amax: torch.Tensor | float | None = None,
     rht_signs: torch.Tensor | None = WGRAD_SIGNS,
     check: bool = True,
@@ -397,7 +397,9 @@ def quantize(
             :mod:`nvfp4lab.hadamard`). The amax is then the post-RHT amax.
         rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (SR, TE's gradients).
             Scales and amax are the same for both.
-        generator: ``torch.Generator`` for SR (``None``: torch's default generator).
+        generator: the SR random source: a ``torch.Generator``, an
+            :class:`~nvfp4lab.rounding.SRStream` (state on the device; capturable) or ``None``
+            (torch's default generator).
         amax: precomputed per-tensor amax (delayed or fused scaling). Elements
             above it saturate to ±6·block scale. Default: ``max |x|`` (post-RHT if ``rht``).
         rht_signs: the RHT's 16 signs (default TE's fixed Wgrad vector).
@@ -513,7 +515,7 @@ def quantize_rowwise_columnwise(
     row: dict,
     col: dict | None = None,
     *,
-    generator: torch.Generator | None = None,
+    generator: "torch.Generator | SRStream | None" = None,
     values: tuple[bool, bool] = (False, False),
     fallback: bool = True,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor | None] | None:

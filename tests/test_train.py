@@ -96,7 +96,7 @@ def test_train_writes_everything_and_learns(tmp_path):
     # checkpoints load with weights_only=True (load_checkpoint uses it) and hold only FP32 state
     ck = load_checkpoint(out)
     assert ck["step"] == 12 and all(v.dtype == torch.float32 for v in ck["model"].values())
-    assert set(ck["rng"]) == {"torch", "data", "sr", "sr_device"}
+    assert set(ck["rng"]) == {"torch", "data", "sr"} and ck["rng"]["sr"].dtype == torch.int64
     assert not [p for p in os.listdir(out) if p.endswith(".tmp")]    # no temp files left
 
 

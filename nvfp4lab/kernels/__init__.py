@@ -51,6 +51,7 @@ import torch
 
 from ..formats import GEMM_ALPHA_DENOMINATOR, RCP_E2M1_MAX, RCP_GLOBAL_SCALE_NUMERATOR
 from ..hadamard import RHT_SIZE, WGRAD_SIGN_MASK, WGRAD_SIGNS
+from ..rounding import SRStream
 
 __all__ = [
     "available", "interpreter_mode", "disabled", "KernelOptions", "options", "use_options",
@@ -247,7 +248,14 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _seeds(generator, device) -> torch.Tensor:
-    """Two 63-bit Philox seeds drawn from ``generator`` (default: ``device``'s default generator)."""
+    """Two 63-bit Philox keys (rowwise, columnwise) on ``device``: from an :class:`~nvfp4lab.rounding.SRStream`
+    (device operations only, capturable), else drawn from ``generator`` (default: ``device``'s
+    default generator; a CUDA graph captures that one, other generators must be registered with it)."""
+    if isinstance(generator, SRStream):
+        if generator.device != torch.device(device):
+            raise ValueError(f"the SRStream lives on {generator.device}, the tensor on {device}: "
+                             "make the stream on the tensor's device (SRStream.to)")
+        return generator.seeds()
     if generator is None:
         return torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
     s = torch.randint(0, 2**62, (2,), generator=generator, device=generator.device, dtype=torch.int64)

@@ -20,6 +20,7 @@ from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validati
 from ..linear import convert_model, layer_precisions, set_quantization_enabled
 from ..model import GPT
 from ..provenance import environment
+from ..rounding import SRStream
 from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_at
 from .report import CompareResult, RunResult, format_table, plot_compare, plot_metrics, read_jsonl, write_json
@@ -129,7 +130,7 @@ def train(config: TrainConfig) -> RunResult:
 
     # model and precision; all randomness derives from the seed
     torch.manual_seed(cfg.seed)
-    sr_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003)
+    sr_gen = SRStream(cfg.seed + 1_000_003, device)  # device-resident: CUDA graphs replay fresh draws
     data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
     if cfg.backend == "te":
         # Raises TransformerEngineUnavailable / NVFP4NotSupported (with the fallbacks) up front.
@@ -172,10 +173,11 @@ def train(config: TrainConfig) -> RunResult:
         rng = saved["rng"]
         torch.set_rng_state(rng["torch"])
         data_gen.set_state(rng["data"])
-        # The SR generator's state is device-specific (CPU Mersenne Twister vs CUDA Philox); it is
-        # restored when the device type matches, otherwise the generator stays freshly seeded.
-        if rng.get("sr") is not None and rng.get("sr_device", "cpu") == device.type:
-            sr_gen.set_state(rng["sr"])
+        # The SR stream's state ([key, counter], int64) is the same on every device. (Checkpoints of
+        # an older format held a torch.Generator state, device-specific: the stream then stays fresh.)
+        sr_state = rng.get("sr")
+        if sr_state is not None and sr_state.dtype == torch.int64 and tuple(sr_state.shape) == (2,):
+            sr_gen.set_state(sr_state)
         best_val = saved.get("best_val_loss")
         skipped = int(saved.get("skipped_steps", 0))
         val_curve = [list(v) for v in saved.get("val_curve", [])]
@@ -227,7 +229,7 @@ def train(config: TrainConfig) -> RunResult:
             "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
             "optimizer": _portable(optimizer.state_dict()),
             "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
-                    "sr": sr_gen.get_state(), "sr_device": device.type},
+                    "sr": sr_gen.get_state()},
             "config": cfg.to_dict(),
             "data": data_info,
             "best_val_loss": best_val,
@@ -286,7 +288,7 @@ def train(config: TrainConfig) -> RunResult:
     model.train()
     cooled = False
     graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
-                          (sr_gen,) if cfg.precision == "nvfp4" else (),
+                          (),  # the SR stream needs no registration (its state is a device tensor)
                           optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
     timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
     step_times: list[float] = []
