@@ -287,7 +287,8 @@ def train(config: TrainConfig) -> RunResult:
     progress_line = _ProgressLines(cfg.steps, tokens_per_step) if cfg.progress == "lines" else None
     model.train()
     cooled = False
-    graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
+    step_model = torch.compile(model) if cfg.compile else model  # evaluation stays eager
+    graphed = GraphedStep(step_model, params, cfg.precision, device, cfg.grad_clip,
                           (),  # the SR stream needs no registration (its state is a device tensor)
                           optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
     timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
@@ -335,7 +336,7 @@ def train(config: TrainConfig) -> RunResult:
                 with torch.cuda.stream(side) if side is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
                     with autocast_for(cfg.precision, device):
-                        _, loss = model(x, y)
+                        _, loss = step_model(x, y)
                     loss_val = float(loss.detach())
                     if not math.isfinite(loss_val):
                         bad = "loss"
