@@ -438,8 +438,10 @@ def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
     meta = _saved_meta(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad, x2d.device)
     saved = []
-    for q, (shapes) in ((qxt, meta[:3]), (qwt, meta[3:])):
-        saved += ([q.data, q.scale, q.amax] if q is not None else
+    for q, shapes in ((qxt, meta[:3]), (qwt, meta[3:])):
+        # the amaxes are views into one small buffer of the kernels: a custom op's outputs must
+        # neither alias each other nor be offset views (Inductor checks alignment), so clone them
+        saved += ([q.data, q.scale, q.amax.clone()] if q is not None else
                   [torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in shapes])
     return (y, *saved)
 

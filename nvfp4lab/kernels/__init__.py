@@ -43,7 +43,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import threading
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
@@ -136,13 +135,16 @@ _DEFAULT_OPTIONS = KernelOptions()
 
 
 def options() -> KernelOptions:
-    """The :class:`KernelOptions` in force in this thread."""
-    return getattr(_state, "options", _DEFAULT_OPTIONS)
+    """The :class:`KernelOptions` in force (in every thread of the process)."""
+    return _state.options
 
 
 @contextlib.contextmanager
 def use_options(**changes: Any) -> Iterator[KernelOptions]:
-    """Within the block (this thread), run the kernels with ``options()`` changed by ``changes``.
+    """Within the block, run the kernels with ``options()`` changed by ``changes``.
+
+    The change holds for the whole process while the block runs, in every thread: autograd runs
+    a CUDA backward pass on its own thread, which must see the same options as the forward.
 
     ``config=`` may give only the modes to change (``config={"slices_both": dict(G=2, BK=512,
     num_warps=4)}``); the others keep their values.
@@ -156,18 +158,21 @@ def use_options(**changes: Any) -> Iterator[KernelOptions]:
         merged.update({k: dict(v) for k, v in changes["config"].items()})
         changes["config"] = MappingProxyType({k: MappingProxyType(v) for k, v in merged.items()})
     new = dataclasses.replace(current, **changes)
-    prev = getattr(_state, "options", None)
-    _state.options = new
+    prev, _state.options = _state.options, new
     try:
         yield new
     finally:
-        if prev is None:
-            del _state.options
-        else:
-            _state.options = prev
+        _state.options = prev
 
 
-_state = threading.local()
+class _State:
+    """Process-wide switches (not thread-local: autograd's backward thread must see them)."""
+
+    options: KernelOptions = _DEFAULT_OPTIONS
+    off: bool = False
+
+
+_state = _State()
 _KERNELS: Any = None
 _IMPORT_ERROR: Exception | None = None
 
@@ -196,7 +201,7 @@ def interpreter_mode() -> bool:
 def available(device: torch.device | str) -> bool:
     """Whether the kernels run on ``device``: CUDA with Triton; CPU only in Triton's interpreter with
     ``options().interpret_on_cpu``; never inside :func:`disabled` or with ``NVFP4LAB_DISABLE_KERNELS=1``."""
-    if os.environ.get("NVFP4LAB_DISABLE_KERNELS", "0") not in ("", "0") or getattr(_state, "off", False):
+    if os.environ.get("NVFP4LAB_DISABLE_KERNELS", "0") not in ("", "0") or _state.off:
         return False
     if _kernels() is None:
         return False
@@ -208,9 +213,9 @@ def available(device: torch.device | str) -> bool:
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block (this thread), every fast-path function returns ``None`` / falls back."""
-    prev = getattr(_state, "off", False)
-    _state.off = True
+    """Within the block, the kernels are off (in every thread, as :func:`use_options`): every
+    caller takes the reference path."""
+    prev, _state.off = _state.off, True
     try:
         yield
     finally:
