@@ -84,3 +84,11 @@ def test_markdown_table_has_one_line_per_gpu():
     lines = text.splitlines()
     assert len(lines) == 4 and "| none |" in lines[2] and "6×" in lines[3]
     assert "source" not in markdown_table(sources=False).splitlines()[0]
+
+
+def test_the_memory_planner_reads_the_same_table():
+    from nvfp4lab.plan import GPUS as PLAN_GPUS
+
+    assert PLAN_GPUS["h200"][1] == gpu("H200").memory_gb * 10**9
+    assert PLAN_GPUS["b200"][1] == gpu("B200").memory_gb * 10**9
+    assert len(PLAN_GPUS) == len(GPUS)
