@@ -98,7 +98,8 @@ GPUS: tuple[GPUSpec, ...] = (
         bf16_tflops=2250.0, fp8_tflops=4500.0, fp4_tflops=9000.0, hbm_tbps=8.0, memory_gb=180.0,
         source="NVIDIA DGX B200 / HGX B200 datasheet, per GPU (system totals divided by 8, sparse peaks halved)",
         citation="nvidia2024b200",
-        note="bandwidth listed as 7.7 to 8 TB/s depending on the system",
+        note="bandwidth listed as 7.7 to 8 TB/s depending on the system; memory: the DGX B200 datasheet's "
+             "1,440 GB for 8 GPUs (other listings give 192 GB, the HBM3e fitted)",
     ),
     GPUSpec(
         name="GB200", architecture="Blackwell", compute_capability=(10, 0),
@@ -106,6 +107,7 @@ GPUS: tuple[GPUSpec, ...] = (
         source="NVIDIA GB200 NVL72 datasheet, per GPU (rack totals divided by 72, sparse peaks halved); "
                "FP4 = 2x FP8 = 4x BF16 as in the NVFP4 paper, §2, Table 1",
         citation="nvidia2024gb200",
+        note="memory: the datasheet's up to 13.4 TB HBM3e for 72 GPUs (other listings give 192 GB per GPU)",
     ),
     GPUSpec(
         name="GB300", architecture="Blackwell Ultra", compute_capability=(10, 3),
