@@ -158,7 +158,7 @@ def hardware_table(names: Sequence[str] | None = None) -> list[dict[str, Any]]:
         A list of dicts with keys ``name``, ``architecture``, ``compute_capability`` (string
         ``"9.0"``), ``bf16_tflops``, ``fp8_tflops``, ``fp4_tflops`` (``None`` without FP4),
         ``fp8_over_bf16``, ``fp4_over_fp8`` and ``fp4_over_bf16`` (``None`` without FP4),
-        ``hbm_tbps``, ``memory_gb``, ``source`` and ``citation``.
+        ``hbm_tbps``, ``memory_gb``, ``source``, ``citation`` and ``note``.
 
     Raises:
         ValueError: a name is unknown (see :func:`gpu`).
@@ -174,7 +174,7 @@ def hardware_table(names: Sequence[str] | None = None) -> list[dict[str, Any]]:
             "fp4_over_fp8": fp4 / g.fp8_tflops if fp4 else None,
             "fp4_over_bf16": fp4 / g.bf16_tflops if fp4 else None,
             "hbm_tbps": g.hbm_tbps, "memory_gb": g.memory_gb,
-            "source": g.source, "citation": g.citation,
+            "source": g.source, "citation": g.citation, "note": g.note,
         })
     return rows
 
@@ -184,7 +184,7 @@ def markdown_table(names: Sequence[str] | None = None, sources: bool = True) -> 
 
     Args:
         names: GPU names to include, in order; ``None`` for all.
-        sources: add a last column with each row's :attr:`GPUSpec.source`.
+        sources: add a last column with each row's :attr:`GPUSpec.source` (and its note, if any).
 
     Returns:
         Markdown text: GPU, compute capability, dense BF16 / FP8 / FP4 TFLOP/s, FP4 over FP8 and
@@ -204,5 +204,5 @@ def markdown_table(names: Sequence[str] | None = None, sources: bool = True) -> 
         rows.append(
             f"| {r['name']} ({r['architecture']}) | {r['compute_capability']} | {r['bf16_tflops']:,.0f} | "
             f"{r['fp8_tflops']:,.0f} | {fp4} | {ratio(r['fp4_over_fp8'])} | {ratio(r['fp4_over_bf16'])} | "
-            f"{r['hbm_tbps']:g} TB/s | {r['memory_gb']:,.0f} GB |" + (f" {r['source']} |" if sources else ""))
+            f"{r['hbm_tbps']:g} TB/s | {r['memory_gb']:,.0f} GB |" + (f" {r['source']}{'; ' + r['note'] if r['note'] else ''} |" if sources else ""))
     return "\n".join(rows)
