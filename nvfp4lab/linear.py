@@ -549,6 +549,14 @@ class NVFP4Linear(nn.Linear):
                                   quantizer=quantizer if quantizer is not None else NVFP4GemmQuantizer(),
                                   name=name, generator=generator, seed=seed)
         self.quantize_enabled = True
+        self._state.sr_generator(self.weight.device)  # made now, not inside someone's CUDA graph capture
+
+    def _apply(self, fn, recurse=True):
+        out = super()._apply(fn, recurse)
+        # .to() / .cuda(): the default SR stream follows the weight, made outside any capture (a
+        # tensor first allocated inside a captured region would belong to the graph's memory pool)
+        self._state.sr_generator(self.weight.device)
+        return out
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, recipe: NVFP4Recipe | None = None,
