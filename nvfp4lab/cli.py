@@ -123,6 +123,11 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
     r.add_argument("--cooldown-frac", type=_fraction, default=0.0,
                    help="switch NVFP4/FP8 layers to BF16 for this final fraction of steps (default 0)")
+    r.add_argument("--cooldown-step", type=_nonneg_int, default=None,
+                   help="switch to BF16 from this step on (instead of --cooldown-frac)")
+    r.add_argument("--cooldown-scope", choices=("all", "fprop", "bwd"), default="all",
+                   help="which GEMMs the switch moves to BF16: all (default), fprop (the forward GEMMs: most of "
+                        "the gain, paper appendix D) or bwd (Dgrad and Wgrad; NVFP4 layers)")
 
     b = p.add_argument_group("bookkeeping")
     b.add_argument("--eval-interval", type=_positive_int, help="steps between validations (default: preset)")
@@ -179,7 +184,8 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         preset=args.preset, steps=args.steps, batch_size=args.batch_size, seq_len=args.seq_len,
         n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, tie_weights=args.tie_weights, lr=args.lr,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, text=args.text, seed=args.seed,
-        recipe=recipe, cooldown_frac=args.cooldown_frac, eval_interval=args.eval_interval,
+        recipe=recipe, cooldown_frac=args.cooldown_frac,
+        cooldown_step=args.cooldown_step, cooldown_scope=args.cooldown_scope, eval_interval=args.eval_interval,
         eval_batches=args.eval_batches, log_interval=args.log_interval,
         checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
         device=_resolve_device(args.device), threads=args.threads, cuda_graph=args.cuda_graph,

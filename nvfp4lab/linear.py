@@ -65,7 +65,7 @@ from .rounding import SRStream
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
     "GemmQuantizer", "NVFP4GemmQuantizer", "IdentityQuantizer", "set_quantization_enabled",
-    "layer_precisions", "TOKEN_PAD",
+    "layer_precisions", "TOKEN_PAD", "SWITCH_SCOPES", "set_high_precision_scope",
 ]
 
 #: Precisions understood by :func:`convert_model` (and the trainer's nvfp4lab backend): the
@@ -202,6 +202,7 @@ class _LayerState:
     name: str = ""
     generator: "torch.Generator | SRStream | None" = None
     seed: int = 0
+    high_precision: frozenset = frozenset()   # GEMMs run unquantized: subset of {"fprop", "dgrad", "wgrad"}
     _streams: dict[str, SRStream] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -314,6 +315,8 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     N = weight.shape[0]
     if M == 0:
         return torch.zeros(0, N, dtype=x2d.dtype, device=x2d.device), None, None
+    if state.high_precision:  # a precision switch by scope (the paper's appendix D)
+        return _fprop_switched(state, x2d, weight, bias, need_dgrad, need_wgrad)
     # values for the Fprop operands only: the columnwise copies wait for the backward packed
     px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
                         ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False))
@@ -339,10 +342,34 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     return state.quantizer.matmul(qx, qw, out_dtype=x2d.dtype, bias=bias), qxt, qwt   # Fprop
 
 
+def _fprop_switched(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgrad: bool):
+    """:func:`_fprop` with some GEMMs in high precision: Fprop as ``F.linear`` in the input's dtype
+    when ``"fprop"`` is switched; a switched backward GEMM keeps the high-precision operand it needs
+    (X for Wgrad, W for Dgrad) instead of its quantized copy."""
+    hp = state.high_precision
+    if "fprop" in hp:
+        y = F.linear(x2d, weight.to(x2d.dtype), None if bias is None else bias.to(x2d.dtype))
+    else:
+        qx = _quantize(state, "fprop", "x", x2d, "input_rowwise")
+        qw = _quantize(state, "fprop", "w", weight, "weight")
+        y = state.quantizer.matmul(qx, qw, out_dtype=x2d.dtype, bias=bias)
+    qxt = qwt = None
+    if need_wgrad:
+        qxt = x2d if "wgrad" in hp else _quantize(
+            state, "wgrad", "xt", _columnwise(x2d, not state.recipe.disable_rht), "input_columnwise")
+    if need_dgrad:
+        qwt = weight if "dgrad" in hp else _quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise")
+    return y, qxt, qwt
+
+
 def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
            bias_dtype: torch.dtype | None, need_dgrad: bool, need_wgrad: bool, need_dbias: bool):
     """The backward: ``(dX [M, K] or None, dW [N, K] or None, db [N] or None)`` from dY [M, N]."""
     M, N = dy.shape
+    hp = state.high_precision
+    if hp & {"dgrad", "wgrad"}:
+        return _bprop_switched(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad,
+                               need_dbias)
     dx = dw = db = None
     if M == 0:
         dev = dy.device
@@ -368,6 +395,28 @@ def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torc
         dx = state.quantizer.matmul(qdy, qwt, out_dtype=x_dtype)    # Dgrad
     if need_wgrad:
         dw = state.quantizer.matmul(qdyt, qxt, out_dtype=w_dtype)   # Wgrad
+    if need_dbias:
+        db = dy.to(torch.float32).sum(0).to(bias_dtype)
+    return dx, dw, db
+
+
+def _bprop_switched(state: _LayerState, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad,
+                    need_dbias):
+    """:func:`_bprop` with Dgrad and/or Wgrad in high precision (BF16 operands under autocast, as
+    ``nn.Linear`` would compute them); the other GEMM stays NVFP4."""
+    hp = state.high_precision
+    dx = dw = db = None
+    quantized = [g for g, need in (("dgrad", need_dgrad), ("wgrad", need_wgrad)) if need and g not in hp]
+    qdy = qdyt = None
+    if "dgrad" in quantized:
+        qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise")
+    if "wgrad" in quantized:
+        qdyt = _quantize(state, "wgrad", "dyt", _columnwise(dy, not state.recipe.disable_rht), "grad_output_columnwise")
+    if need_dgrad:
+        dx = (dy.to(x_dtype) @ qwt.to(x_dtype)) if "dgrad" in hp else state.quantizer.matmul(qdy, qwt, out_dtype=x_dtype)
+    if need_wgrad:
+        dw = ((dy.t().to(x_dtype) @ qxt.to(x_dtype)).to(w_dtype) if "wgrad" in hp
+              else state.quantizer.matmul(qdyt, qxt, out_dtype=w_dtype))
     if need_dbias:
         db = dy.to(torch.float32).sum(0).to(bias_dtype)
     return dx, dw, db
@@ -508,6 +557,13 @@ def _fprop_backward(ctx, gy, *_saved_grads):
 torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context)
 
 
+@torch.compiler.disable
+def _switched_forward(x, weight, bias, state: _LayerState, grad_enabled: bool):
+    """The layer with some GEMMs switched to high precision, always through the eager autograd
+    function (under ``torch.compile`` a graph break here: switches are rare, late and brief)."""
+    return _NVFP4LinearFunction.apply(x, weight, bias, state, grad_enabled)
+
+
 # ----------------------------------------------------------------------------- the module
 class NVFP4Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (bias supported) whose Fprop, Dgrad and Wgrad GEMMs are emulated NVFP4.
@@ -615,6 +671,8 @@ class NVFP4Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if self._state.high_precision:  # a switch by scope (cooldown): the eager autograd function
+            return _switched_forward(x, self.weight, self.bias, self._state, torch.is_grad_enabled())
         if torch.compiler.is_compiling():  # the custom ops: one opaque node for Dynamo, same numerics
             grad = torch.is_grad_enabled()
             y = torch.ops.nvfp4lab.linear_fprop(x.reshape(-1, self.in_features), self.weight, self.bias,
@@ -727,6 +785,51 @@ def set_quantization_enabled(model: nn.Module, enabled: bool) -> int:
     for m in model.modules():
         if isinstance(m, (NVFP4Linear, FP8Linear)):
             m.quantize_enabled = bool(enabled)
+            n += 1
+    return n
+
+
+#: Precision-switch scopes: which GEMMs of every NVFP4 layer a switch runs in high precision.
+SWITCH_SCOPES: dict[str, frozenset] = {
+    "none": frozenset(),
+    "fprop": frozenset({"fprop"}),
+    "bwd": frozenset({"dgrad", "wgrad"}),
+    "all": frozenset({"fprop", "dgrad", "wgrad"}),
+}
+
+
+def set_high_precision_scope(model: nn.Module, scope: str) -> int:
+    """Run the GEMMs named by ``scope`` of every quantized layer in high precision (the precision
+    switch of the paper's appendix D: switching the forward GEMMs only recovers most of the loss
+    gap, switching the backward only does not).
+
+    Args:
+        model: a model with :class:`NVFP4Linear` / :class:`~nvfp4lab.fp8.FP8Linear` layers.
+        scope: ``"none"`` (all quantized), ``"fprop"`` (the forward GEMM), ``"bwd"`` (Dgrad and
+            Wgrad) or ``"all"`` (the layer becomes a plain high-precision ``nn.Linear``, as
+            :func:`set_quantization_enabled` ``(model, False)``).
+
+    Returns:
+        The number of layers switched.
+
+    Raises:
+        ValueError: an unknown scope, or ``"fprop"``/``"bwd"`` on a model with FP8 layers (their
+            emulation switches whole layers only).
+    """
+    if scope not in SWITCH_SCOPES:
+        raise ValueError(f"unknown switch scope {scope!r}; choose one of {list(SWITCH_SCOPES)}")
+    gemms = SWITCH_SCOPES[scope]
+    n = 0
+    for m in model.modules():
+        if isinstance(m, FP8Linear):
+            if scope in ("fprop", "bwd"):
+                raise ValueError(f"switch scope {scope!r} is implemented for NVFP4 layers; FP8 layers switch "
+                                 "whole (scope 'all')")
+            m.quantize_enabled = scope != "all"
+            n += 1
+        elif isinstance(m, NVFP4Linear):
+            m.quantize_enabled = scope != "all"
+            m._state.high_precision = gemms if scope != "all" else frozenset()
             n += 1
     return n
 

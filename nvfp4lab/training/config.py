@@ -55,7 +55,11 @@ class TrainConfig:
     natively through TE, NVFP4 needs compute capability 10.0: :mod:`nvfp4lab.te_model`).
     Precision: ``precision``, a name of :mod:`nvfp4lab.precisions` (the emulated ones for the
     nvfp4lab backend, every TE recipe for the te backend), ``recipe``
-    (:class:`NVFP4Recipe`), ``fp8_recipe``, ``cooldown_frac`` in [0, 1) (nvfp4/fp8 only).
+    (:class:`NVFP4Recipe`), ``fp8_recipe``. Precision switch before the decay (the paper's appendix
+    D; nvfp4/fp8 only): ``cooldown_frac`` in [0, 1) of the schedule, or ``cooldown_step``, with
+    ``cooldown_scope`` ``"all"`` (every GEMM of the quantized layers in BF16; the default, the
+    paper's switch), ``"fprop"`` (the forward GEMMs only: most of the gain, appendix D, Fig. 7) or
+    ``"bwd"`` (Dgrad and Wgrad only); fprop/bwd need NVFP4 layers of the nvfp4lab backend.
     Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
     ``chunk_bytes`` (the split).
     Bookkeeping: ``eval_interval``, ``eval_batches``, ``log_interval``, ``checkpoint_interval``
@@ -108,6 +112,8 @@ class TrainConfig:
     recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
     fp8_recipe: FP8Recipe = field(default_factory=FP8Recipe)
     cooldown_frac: float = 0.0
+    cooldown_step: int | None = None
+    cooldown_scope: str = "all"
     text: str | None = None
     val_every: int = 10
     chunk_bytes: int = 4096
@@ -175,6 +181,19 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_frac must be in [0, 1], got {self.min_lr_frac}")
+        if self.cooldown_scope not in ("all", "fprop", "bwd"):
+            raise ValueError(f"TrainConfig.cooldown_scope must be 'all', 'fprop' or 'bwd', got {self.cooldown_scope!r}")
+        if self.cooldown_scope != "all" and (self.backend != "nvfp4lab" or canonical_name(self.precision) != "nvfp4"):
+            raise ValueError(f"cooldown_scope={self.cooldown_scope!r} switches single GEMMs of nvfp4lab's NVFP4 layers; "
+                             f"precision {self.precision!r} on backend {self.backend!r} switches whole layers "
+                             "(cooldown_scope='all')")
+        if self.cooldown_step is not None:
+            if isinstance(self.cooldown_step, bool) or not isinstance(self.cooldown_step, int) or self.cooldown_step < 0:
+                raise ValueError(f"TrainConfig.cooldown_step must be an int >= 0 or None, got {self.cooldown_step!r}")
+            if self.cooldown_frac > 0:
+                raise ValueError("give cooldown_frac or cooldown_step, not both")
+            if canonical_name(self.precision) in ("fp32", "bf16"):
+                raise ValueError(f"cooldown_step only makes sense for a quantized precision, not {self.precision!r}")
         if not 0.0 <= self.cooldown_frac < 1.0:
             raise ValueError(f"TrainConfig.cooldown_frac must be in [0, 1), got {self.cooldown_frac}")
         if self.cooldown_frac > 0 and canonical_name(self.precision) in ("fp32", "bf16"):

@@ -17,7 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
-from ..linear import convert_model, layer_precisions, set_quantization_enabled
+from ..linear import convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
 from ..provenance import environment
 from ..rounding import SRStream
@@ -215,8 +215,8 @@ def train(config: TrainConfig) -> RunResult:
         metrics.write(json.dumps(rec) + "\n")
         metrics.flush()
 
-    cooldown_start = (schedule_steps - int(round(cfg.cooldown_frac * schedule_steps))
-                      if cfg.cooldown_frac > 0 else None)
+    cooldown_start = (cfg.cooldown_step if cfg.cooldown_step is not None else
+                      schedule_steps - int(round(cfg.cooldown_frac * schedule_steps)) if cfg.cooldown_frac > 0 else None)
     last_ckpt: str | None = None
     if cfg.resume:
         rp = Path(cfg.resume)
@@ -300,13 +300,14 @@ def train(config: TrainConfig) -> RunResult:
                 if cfg.backend == "te":
                     model.quantize_enabled = False
                 else:
-                    set_quantization_enabled(model, False)
+                    set_high_precision_scope(model, cfg.cooldown_scope)
                 cooled = True
                 if graphed is not None:  # another computation: capture again after a warm-up
                     graphed.graph, warmup_left = None, GRAPH_WARMUP_STEPS
                 if step == cooldown_start:
-                    log({"type": "event", "event": "bf16 cooldown", "step": step})
-            active = "bf16" if cooled else cfg.precision
+                    log({"type": "event", "event": "bf16 cooldown", "scope": cfg.cooldown_scope, "step": step})
+            active = (("bf16" if cfg.cooldown_scope == "all" else f"{cfg.precision}, {cfg.cooldown_scope} in bf16")
+                      if cooled else cfg.precision)
             lr = lr_at(step, lr=cfg.lr, steps=schedule_steps, warmup_steps=cfg.warmup_steps,
                        min_lr_frac=cfg.min_lr_frac)
             for g in optimizer.param_groups:
