@@ -44,6 +44,7 @@ SUBCOMMANDS: dict[str, Registrar | str] = {
     "probe": "nvfp4lab.capabilities:add_probe_subcommand",
     "bench": "nvfp4lab.bench:register",
     "plan": "nvfp4lab.plan:register",
+    "report": "nvfp4lab.training.report:register",
 }
 
 
@@ -123,6 +124,9 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
     r.add_argument("--cooldown-frac", type=_fraction, default=0.0,
                    help="switch NVFP4/FP8 layers to BF16 for this final fraction of steps (default 0)")
+    r.add_argument("--health-interval", type=_nonneg_int, default=0,
+                   help="every N steps record each NVFP4 operand's quantization health in health.jsonl "
+                        "(one extra side-effect-free pass; 0: off; `nvfp4lab report RUN` draws it)")
     r.add_argument("--cooldown-step", type=_nonneg_int, default=None,
                    help="switch to BF16 from this step on (instead of --cooldown-frac)")
     r.add_argument("--cooldown-scope", choices=("all", "fprop", "bwd"), default="all",
@@ -185,7 +189,7 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         n_layer=args.n_layer, n_embd=args.n_embd, n_head=args.n_head, tie_weights=args.tie_weights, lr=args.lr,
         warmup_steps=args.warmup_steps, grad_clip=args.grad_clip, text=args.text, seed=args.seed,
         recipe=recipe, cooldown_frac=args.cooldown_frac,
-        cooldown_step=args.cooldown_step, cooldown_scope=args.cooldown_scope, eval_interval=args.eval_interval,
+        cooldown_step=args.cooldown_step, cooldown_scope=args.cooldown_scope, health_interval=args.health_interval, eval_interval=args.eval_interval,
         eval_batches=args.eval_batches, log_interval=args.log_interval,
         checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
         device=_resolve_device(args.device), threads=args.threads, cuda_graph=args.cuda_graph,

@@ -681,6 +681,11 @@ class NVFP4Linear(nn.Linear):
             return y.reshape(*x.shape[:-1], self.out_features)
         return _NVFP4LinearFunction.apply(x, self.weight, self.bias, self._state, torch.is_grad_enabled())
 
+    def sr_streams(self) -> list[SRStream]:
+        """The layer's own SR streams (one per device it has run on); empty when it draws from a
+        ``generator`` given to it (a shared one, as in training)."""
+        return list(self._state._streams.values()) if self._state.generator is None else []
+
     def extra_repr(self) -> str:
         on = "" if self.quantize_enabled else " (disabled)"
         return f"{super().extra_repr()}, nvfp4=[{self.recipe.describe()}]{on}"

@@ -62,6 +62,9 @@ class TrainConfig:
     ``"bwd"`` (Dgrad and Wgrad only); fprop/bwd need NVFP4 layers of the nvfp4lab backend.
     Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
     ``chunk_bytes`` (the split).
+    Health: ``health_interval`` (0: off): every that many steps, one extra side-effect-free forward
+    and backward pass records each NVFP4 operand's statistics (:mod:`nvfp4lab.health`) in
+    ``health.jsonl`` of the run folder (``nvfp4lab report RUN`` draws them).
     Bookkeeping: ``eval_interval``, ``eval_batches``, ``log_interval``, ``checkpoint_interval``
     (default: ``eval_interval``; 0 = only at the end), ``out`` (run folder), ``name``,
     ``seed``, ``resume`` (checkpoint file or run folder), ``on_nonfinite`` ("stop"/"skip"),
@@ -113,6 +116,7 @@ class TrainConfig:
     fp8_recipe: FP8Recipe = field(default_factory=FP8Recipe)
     cooldown_frac: float = 0.0
     cooldown_step: int | None = None
+    health_interval: int = 0
     cooldown_scope: str = "all"
     text: str | None = None
     val_every: int = 10
@@ -181,6 +185,10 @@ class TrainConfig:
             raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_frac must be in [0, 1], got {self.min_lr_frac}")
+        if isinstance(self.health_interval, bool) or not isinstance(self.health_interval, int) or self.health_interval < 0:
+            raise ValueError(f"TrainConfig.health_interval must be an int >= 0 (0: off), got {self.health_interval!r}")
+        if self.health_interval and (self.backend != "nvfp4lab" or canonical_name(self.precision) != "nvfp4"):
+            raise ValueError("health_interval records NVFP4 operands: it needs precision 'nvfp4' on the nvfp4lab backend")
         if self.cooldown_scope not in ("all", "fprop", "bwd"):
             raise ValueError(f"TrainConfig.cooldown_scope must be 'all', 'fprop' or 'bwd', got {self.cooldown_scope!r}")
         if self.cooldown_scope != "all" and (self.backend != "nvfp4lab" or canonical_name(self.precision) != "nvfp4"):

@@ -19,6 +19,7 @@ import torch.nn as nn
 from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
 from ..linear import convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
+from ..health import HEALTH_NAME, health_pass
 from ..provenance import environment
 from ..rounding import SRStream
 from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
@@ -259,7 +260,8 @@ def train(config: TrainConfig) -> RunResult:
             resumed_from_step=start_step if cfg.resume else None, total_wall_time_s=elapsed_before + now - t_start,
             tokens_per_s_all_steps=tokens_per_step * len(step_times) / sum(step_times) if step_times else 0.0,
             warmup_time_s=sum(step_times[:len(step_times) - len(steady)]), timed_steps=len(steady),
-            step_ms_median=1e3 * statistics.median(steady) if steady else None)
+            step_ms_median=1e3 * statistics.median(steady) if steady else None,
+            health_time_s=health_time if cfg.health_interval else None)
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
@@ -293,6 +295,7 @@ def train(config: TrainConfig) -> RunResult:
                           optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
     timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
     step_times: list[float] = []
+    health_time = 0.0
     warmup_left = GRAPH_WARMUP_STEPS
     try:
         for step in range(start_step, cfg.steps):
@@ -318,6 +321,14 @@ def train(config: TrainConfig) -> RunResult:
             t0 = time.perf_counter()
             x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen)
             x, y = x.to(device), y.to(device)
+            if cfg.health_interval and step % cfg.health_interval == 0:
+                t_health = time.perf_counter()   # a side-effect-free extra pass (nvfp4lab.health)
+                with open(out / HEALTH_NAME, "a") as f:
+                    for rec in health_pass(model, x, y, autocast=lambda: autocast_for(active, device)):
+                        f.write(json.dumps({"step": step, **rec}) + "\n")
+                spent = time.perf_counter() - t_health
+                health_time += spent
+                t0 += spent
             bad = None
             if graphed is not None and warmup_left == 0:
                 # replay: the optimizer step below is outside the graph, so a non-finite loss or

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping, Sequence
 
-__all__ = ["RunResult", "CompareResult", "format_table", "draw_val_curves", "plot_compare", "plot_metrics",
+__all__ = ["plot_report", "RunResult", "CompareResult", "format_table", "draw_val_curves", "plot_compare", "plot_metrics",
            "read_jsonl", "write_json"]
 
 # ----------------------------------------------------------------------------- results
@@ -30,6 +30,8 @@ class RunResult:
             ``tokens_per_s_all_steps`` counts every step, and ``step_ms_median`` is the median
             steady-state step.
         peak_memory_bytes: described by ``peak_memory_kind``.
+        health_time_s: time spent in the quantization-health passes (``health_interval``), not
+            counted in any step's time; ``None`` when they were off.
         wall_time_s: this session's time; ``total_wall_time_s`` adds the time of the sessions
             before a resume (``resumed_from_step`` is ``None`` for a run that started at step 0).
     """
@@ -62,6 +64,7 @@ class RunResult:
     warmup_time_s: float | None = None
     timed_steps: int | None = None
     step_ms_median: float | None = None
+    health_time_s: float | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
@@ -189,3 +192,92 @@ def plot_compare(runs: Mapping[str, RunResult], png_path: str | os.PathLike, tit
     fig.tight_layout()
     fig.savefig(png_path, dpi=120)
     return str(png_path)
+
+
+def plot_report(run_dir: str | os.PathLike, png_path: str | os.PathLike | None = None) -> str:
+    """The run's report figure: the loss curves with the run's events (cooldown, skipped steps,
+    spikes, fallbacks) marked, and, when ``health.jsonl`` exists, one heat map per GEMM operand of
+    each NVFP4 layer's SQNR (dB) over the recorded steps (:mod:`nvfp4lab.health`).
+
+    Args:
+        run_dir: a run folder written by :func:`nvfp4lab.train` (``metrics.jsonl``, optionally
+            ``health.jsonl``).
+        png_path: where to write the PNG (default ``<run_dir>/report.png``).
+
+    Returns:
+        The PNG's path.
+
+    Raises:
+        FileNotFoundError: ``run_dir`` has no ``metrics.jsonl``.
+    """
+    from matplotlib.figure import Figure
+
+    from ..health import HEALTH_NAME
+
+    run = Path(run_dir)
+    if not (run / "metrics.jsonl").exists():
+        raise FileNotFoundError(f"{run} is not a run folder (no metrics.jsonl)")
+    png = Path(png_path) if png_path else run / "report.png"
+    recs = read_jsonl(run / "metrics.jsonl")
+    health = read_jsonl(run / HEALTH_NAME)
+    operands = list(dict.fromkeys((r["gemm"], r["operand"]) for r in health))
+    fig = Figure(figsize=(11, 3.6 + (2.6 * ((len(operands) + 2) // 3) if operands else 0)))
+    rows = 1 + ((len(operands) + 2) // 3 if operands else 0)
+    grid = fig.add_gridspec(rows, 3)
+    ax = fig.add_subplot(grid[0, :])
+    tr = [(r["step"], r["loss"]) for r in recs if r.get("type") == "train" and r.get("loss") is not None
+          and math.isfinite(r["loss"])]
+    ev = [(r["step"], r["val_loss"]) for r in recs if r.get("type") == "eval"]
+    if tr:
+        ax.plot(*zip(*tr), color="0.6", lw=0.8, label="train")
+    if ev:
+        ax.plot(*zip(*ev), "o-", color="C0", ms=3, label="validation")
+    for e in (r for r in recs if r.get("type") == "event"):
+        ax.axvline(e["step"], color="C3", ls="--", lw=0.8)
+        ax.text(e["step"], 1.0, " " + str(e.get("event", "")), color="C3", va="top", fontsize=8,
+                transform=ax.get_xaxis_transform())
+    ax.set(xlabel="step", ylabel="loss (nats / byte)", title=run.name)
+    ax.grid(alpha=0.3)
+    ax.legend(loc="upper right")
+    layers = list(dict.fromkeys(r["layer"] for r in health))
+    steps = sorted({r["step"] for r in health})
+    finite = [r["sqnr_db"] for r in health if math.isfinite(r["sqnr_db"])]
+    lo, hi = (min(finite), max(finite)) if finite else (0.0, 1.0)
+    for i, (gemm, operand) in enumerate(operands):
+        hax = fig.add_subplot(grid[1 + i // 3, i % 3])
+        grid_vals = [[math.nan] * len(steps) for _ in layers]
+        for r in health:
+            if (r["gemm"], r["operand"]) == (gemm, operand):
+                grid_vals[layers.index(r["layer"])][steps.index(r["step"])] = r["sqnr_db"]
+        im = hax.imshow(grid_vals, aspect="auto", cmap="viridis", vmin=lo, vmax=hi, interpolation="nearest")
+        hax.set_yticks(range(len(layers)), layers, fontsize=6)
+        every = max(1, len(steps) // 8)
+        hax.set_xticks(range(0, len(steps), every), [str(s) for s in steps[::every]], fontsize=7)
+        hax.set_title(f"{gemm} {operand}: SQNR (dB)", fontsize=9)
+        hax.set_xlabel("step", fontsize=8)
+        fig.colorbar(im, ax=hax)
+    fig.tight_layout()
+    fig.savefig(png, dpi=110)
+    return str(png)
+
+
+def register(subparsers) -> None:
+    """The ``nvfp4lab report RUN`` subcommand (see :func:`plot_report`)."""
+    p = subparsers.add_parser("report", help="draw a run's loss curve with events and its quantization health",
+                              description="Draw a run folder's loss curve with its events and, when it was trained "
+                                          "with --health-interval, heat maps of per-layer SQNR over steps.")
+    p.add_argument("run", help="run folder (runs/<name>)")
+    p.add_argument("--out", help="PNG path (default RUN/report.png)")
+
+    def cmd(args) -> int:
+        import sys
+
+        try:
+            path = plot_report(args.run, args.out)
+        except FileNotFoundError as exc:
+            print(f"nvfp4lab report: error: {exc}", file=sys.stderr)
+            return 2
+        print(path)
+        return 0
+
+    p.set_defaults(func=cmd)
