@@ -139,8 +139,16 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     b.add_argument("--log-interval", type=_positive_int, default=10, help="steps between train-loss records")
     b.add_argument("--checkpoint-interval", type=_nonneg_int,
                    help="steps between checkpoints (default: eval interval; 0: only at the end)")
-    b.add_argument("--on-nonfinite", choices=("stop", "skip"), default="stop",
-                   help="on a NaN/Inf loss or gradient: stop (default) or skip the step")
+    b.add_argument("--on-nonfinite", choices=("stop", "skip", "fallback"), default="stop",
+                   help="on a NaN/Inf loss or gradient: stop (default), skip the step, or fall back: roll back "
+                        "to the last checkpoint and continue in the next precision of --fallback-chain")
+    b.add_argument("--spike-z", type=float, default=None,
+                   help="flag a loss or gradient-norm spike more than this many EMA standard deviations above "
+                        "its running mean (default off)")
+    b.add_argument("--spike-action", choices=("warn", "skip", "fallback"), default="warn",
+                   help="what a spike does: log an event (default), skip the step, or fall back")
+    b.add_argument("--fallback-chain", default="nvfp4,fp8,bf16",
+                   help="precisions to fall back through, in order (default nvfp4,fp8,bf16)")
     b.add_argument("--device", default="auto",
                    help="torch device: cpu, cuda, cuda:1, ... (default auto: cuda when a GPU is visible, else cpu)")
     b.add_argument("--threads", type=_positive_int, help="torch CPU threads")
@@ -192,6 +200,8 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         cooldown_step=args.cooldown_step, cooldown_scope=args.cooldown_scope, health_interval=args.health_interval, eval_interval=args.eval_interval,
         eval_batches=args.eval_batches, log_interval=args.log_interval,
         checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
+        spike_z=args.spike_z, spike_action=args.spike_action,
+        fallback_chain=tuple(p.strip() for p in args.fallback_chain.split(",") if p.strip()),
         device=_resolve_device(args.device), threads=args.threads, cuda_graph=args.cuda_graph,
         graph_optimizer=args.graph_optimizer, compile=args.compile,
         progress=args.progress if args.progress is not None else (None if sys.stderr.isatty() else "lines"),

@@ -62,12 +62,18 @@ class TrainConfig:
     ``"bwd"`` (Dgrad and Wgrad only); fprop/bwd need NVFP4 layers of the nvfp4lab backend.
     Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
     ``chunk_bytes`` (the split).
+    Going wrong: ``on_nonfinite="fallback"``, or a spike (``spike_z``: the loss or the gradient norm
+    more than that many EMA standard deviations above its running mean, :mod:`.monitor`) with
+    ``spike_action="fallback"``, rolls back to the last checkpoint (one is written at step 0) and
+    continues in the next precision of ``fallback_chain`` (default nvfp4 -> fp8 -> bf16);
+    ``run.json``'s ``precision_segments`` say which steps ran in which precision. ``spike_action``
+    "warn" logs the event, "skip" also skips the step's update.
     Health: ``health_interval`` (0: off): every that many steps, one extra side-effect-free forward
     and backward pass records each NVFP4 operand's statistics (:mod:`nvfp4lab.health`) in
     ``health.jsonl`` of the run folder (``nvfp4lab report RUN`` draws them).
     Bookkeeping: ``eval_interval``, ``eval_batches``, ``log_interval``, ``checkpoint_interval``
     (default: ``eval_interval``; 0 = only at the end), ``out`` (run folder), ``name``,
-    ``seed``, ``resume`` (checkpoint file or run folder), ``on_nonfinite`` ("stop"/"skip"),
+    ``seed``, ``resume`` (checkpoint file or run folder), ``on_nonfinite`` ("stop"/"skip"/"fallback"),
     ``device``, ``threads``, ``progress`` (None: a tqdm bar on a terminal, nothing otherwise;
     True: always the bar; False: silent; ``"lines"``: a start line and a progress line every
     tenth of the run or 30 s, for logs and CI, which is what the CLI uses when stderr is not a
@@ -130,6 +136,9 @@ class TrainConfig:
     seed: int = 0
     resume: str | None = None
     on_nonfinite: str = "stop"
+    spike_z: float | None = None
+    spike_action: str = "warn"
+    fallback_chain: tuple = ("nvfp4", "fp8", "bf16")
     device: str = "cpu"
     threads: int | None = None
     progress: bool | None = None
@@ -207,8 +216,20 @@ class TrainConfig:
         if self.cooldown_frac > 0 and canonical_name(self.precision) in ("fp32", "bf16"):
             raise ValueError(f"cooldown_frac={self.cooldown_frac} only makes sense for precision "
                              f"nvfp4 or fp8 (it switches them to BF16), not {self.precision!r}")
-        if self.on_nonfinite not in ("stop", "skip"):
-            raise ValueError(f"on_nonfinite must be 'stop' or 'skip', got {self.on_nonfinite!r}")
+        if self.on_nonfinite not in ("stop", "skip", "fallback"):
+            raise ValueError(f"on_nonfinite must be 'stop', 'skip' or 'fallback', got {self.on_nonfinite!r}")
+        if self.spike_z is not None and not (isinstance(self.spike_z, (int, float)) and self.spike_z > 0):
+            raise ValueError(f"TrainConfig.spike_z must be a number > 0 or None (off), got {self.spike_z!r}")
+        if self.spike_action not in ("warn", "skip", "fallback"):
+            raise ValueError(f"spike_action must be 'warn', 'skip' or 'fallback', got {self.spike_action!r}")
+        if self.spike_z is not None and self.spike_action == "skip" and self.graph_optimizer:
+            raise ValueError("spike_action='skip' needs the optimizer step outside the CUDA graph (no graph_optimizer): "
+                             "a finite spike cannot stop an update captured in the graph")
+        chain = tuple(canonical_name(p) for p in self.fallback_chain)
+        if len(set(chain)) != len(chain) or not chain:
+            raise ValueError(f"TrainConfig.fallback_chain must name distinct precisions, got {self.fallback_chain!r}")
+        if self.falls_back and canonical_name(self.precision) not in chain:
+            raise ValueError(f"precision {self.precision!r} is not in fallback_chain {list(self.fallback_chain)}")
         if self.weight_decay < 0:
             raise ValueError(f"TrainConfig.weight_decay must be >= 0, got {self.weight_decay}")
         if self.threads is not None and (not isinstance(self.threads, int) or self.threads <= 0):
@@ -248,8 +269,15 @@ class TrainConfig:
         )
 
     # -- plain-data form (JSON, checkpoints)
+    @property
+    def falls_back(self) -> bool:
+        """Whether a non-finite step or a spike can switch the run to the next precision of
+        ``fallback_chain``."""
+        return self.on_nonfinite == "fallback" or (self.spike_z is not None and self.spike_action == "fallback")
+
     def to_dict(self) -> dict[str, Any]:
         d = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        d["fallback_chain"] = list(self.fallback_chain)
         d["recipe"] = NVFP4Recipe.from_dict(self.recipe).to_dict()
         d["fp8_recipe"] = FP8Recipe.from_dict(self.fp8_recipe).to_dict()
         return d
@@ -264,6 +292,8 @@ class TrainConfig:
             d["recipe"] = NVFP4Recipe.from_dict(d["recipe"])
         if "fp8_recipe" in d:
             d["fp8_recipe"] = FP8Recipe.from_dict(d["fp8_recipe"])
+        if "fallback_chain" in d:
+            d["fallback_chain"] = tuple(d["fallback_chain"])
         return cls(**d)
 
     def with_variant(self, variant: str | Mapping[str, Any], name: str | None = None) -> "TrainConfig":

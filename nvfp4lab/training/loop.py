@@ -20,11 +20,13 @@ from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validati
 from ..linear import convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
 from ..health import HEALTH_NAME, health_pass
+from ..precisions import canonical_name
 from ..provenance import environment
 from ..rounding import SRStream
 from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_at
 from .report import CompareResult, RunResult, format_table, plot_compare, plot_metrics, read_jsonl, write_json
+from .monitor import SpikeDetector
 from .step import GRAPH_WARMUP_STEPS, GraphedStep, autocast_for, clip_and_norm, param_groups
 
 __all__ = ["NonFiniteError", "train", "compare"]
@@ -104,8 +106,65 @@ def _fmt_seconds(s: float) -> str:
 
 
 # ----------------------------------------------------------------------------- train
+class FallbackRequested(Exception):
+    """Inside a training session: a non-finite step or a spike asks for the next precision."""
+
+    def __init__(self, step: int, reason: str, checkpoint: str | None) -> None:
+        super().__init__(reason)
+        self.step, self.reason, self.checkpoint = step, reason, checkpoint
+
+
 def train(config: TrainConfig) -> RunResult:
     """Train one model as described by ``config``; see the module docstring.
+
+    With ``on_nonfinite="fallback"`` or ``spike_action="fallback"``, a failing step ends the
+    session in its precision; training resumes from the last checkpoint in the next precision of
+    ``fallback_chain`` (an event in ``metrics.jsonl``; ``run.json``'s ``precision_segments`` list
+    each precision's steps). A run resumed after a crash continues in the precision its checkpoint
+    was in. When the chain is exhausted the last session's error is raised.
+    """
+    cfg = config.resolved()
+    segments: list[dict[str, Any]] = []
+    if cfg.resume and cfg.falls_back:  # a run that had fallen back continues where it was
+        saved = load_checkpoint(cfg.resume)
+        if saved.get("precision_segments"):
+            segments = [dict(s) for s in saved["precision_segments"]]
+            cfg = _fallback_config(cfg, saved["config"]["precision"], cfg.resume)
+    while True:
+        try:
+            return _train_session(cfg, segments)
+        except FallbackRequested as fb:
+            chain = list(cfg.fallback_chain)
+            here = chain.index(canonical_name(cfg.precision))
+            if here + 1 >= len(chain) or fb.checkpoint is None:
+                raise NonFiniteError(f"{fb.reason} at step {fb.step} in {cfg.precision}, the last precision of "
+                                     f"the fallback chain {chain}; training stopped", step=fb.step,
+                                     what=fb.reason, checkpoint=fb.checkpoint) from None
+            nxt = chain[here + 1]
+            back_to = int(load_checkpoint(fb.checkpoint)["step"])
+            segments.append({"precision": cfg.precision, "from_step": segments[-1]["to_step"] if segments else 0,
+                             "to_step": back_to, "ended_by": f"{fb.reason} at step {fb.step}"})
+            out = Path(cfg.out if cfg.out else Path("runs") / cfg.name)
+            with open(out / "metrics.jsonl", "a") as f:
+                f.write(json.dumps({"type": "event", "event": f"fallback to {nxt}", "step": back_to,
+                                    "reason": f"{fb.reason} at step {fb.step} in {cfg.precision}"}) + "\n")
+            cfg = _fallback_config(cfg, nxt, fb.checkpoint)
+
+
+def _fallback_config(cfg: TrainConfig, precision: str, checkpoint: str) -> TrainConfig:
+    """``cfg`` continuing from ``checkpoint`` in ``precision`` (options of other precisions dropped)."""
+    quantized = canonical_name(precision) not in ("fp32", "bf16")
+    nvfp4 = canonical_name(precision) == "nvfp4"
+    return dataclasses.replace(
+        cfg, precision=precision, resume=str(checkpoint),
+        cooldown_frac=cfg.cooldown_frac if quantized else 0.0,
+        cooldown_step=cfg.cooldown_step if quantized else None,
+        cooldown_scope=cfg.cooldown_scope if nvfp4 else "all",
+        health_interval=cfg.health_interval if nvfp4 else 0).resolved()
+
+
+def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResult:
+    """One training session in one precision (:func:`train` chains them on a fallback).
 
     Writes into ``config.out`` (default ``runs/<name>``): ``metrics.jsonl`` (one JSON object per
     line: ``type`` "train" / "eval" / "event"), ``run.json`` (the :class:`RunResult`),
@@ -116,7 +175,6 @@ def train(config: TrainConfig) -> RunResult:
     """
     from tqdm.auto import tqdm
 
-    cfg = config.resolved()
     t_start = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
@@ -235,6 +293,7 @@ def train(config: TrainConfig) -> RunResult:
             "data": data_info,
             "best_val_loss": best_val,
             "skipped_steps": skipped,
+            "precision_segments": segments,
             "val_curve": val_curve,
             "elapsed_s": elapsed_before + time.perf_counter() - t_start,
             "torch_version": str(torch.__version__),
@@ -261,7 +320,11 @@ def train(config: TrainConfig) -> RunResult:
             tokens_per_s_all_steps=tokens_per_step * len(step_times) / sum(step_times) if step_times else 0.0,
             warmup_time_s=sum(step_times[:len(step_times) - len(steady)]), timed_steps=len(steady),
             step_ms_median=1e3 * statistics.median(steady) if steady else None,
-            health_time_s=health_time if cfg.health_interval else None)
+            health_time_s=health_time if cfg.health_interval else None,
+            precision_segments=(segments + [{"precision": cfg.precision,
+                                             "from_step": segments[-1]["to_step"],
+                                             "to_step": int(steps_completed), "ended_by": status}]
+                                if segments else None))
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
@@ -296,6 +359,9 @@ def train(config: TrainConfig) -> RunResult:
     timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
     step_times: list[float] = []
     health_time = 0.0
+    spike = {what: SpikeDetector(z=cfg.spike_z) for what in ("loss", "gradient norm")} if cfg.spike_z else {}
+    if cfg.falls_back and start_step == 0:
+        checkpoint(0)   # a fallback always has a checkpoint to roll back to
     warmup_left = GRAPH_WARMUP_STEPS
     try:
         for step in range(start_step, cfg.steps):
@@ -360,9 +426,27 @@ def train(config: TrainConfig) -> RunResult:
                             bad = "gradient norm"
                 if side is not None:
                     torch.cuda.current_stream(device).wait_stream(side)
+            if bad is None and spike:
+                for what, value in (("loss", loss_val), ("gradient norm", grad_norm)):
+                    z = spike[what].update(value)
+                    if z is not None:
+                        log({"type": "event", "event": f"{what} spike", "step": step, "z": round(z, 2),
+                             "action": cfg.spike_action})
+                        if cfg.spike_action == "fallback":
+                            raise FallbackRequested(step, f"{what} spike (z = {z:.1f})", last_ckpt)
+                        if cfg.spike_action == "skip":
+                            bad = f"{what} spike"
+            if bad is not None and bad.endswith("spike"):
+                skipped += 1   # spike_action="skip": the update is not applied
+                if graphed is None or graphed.graph is None:
+                    optimizer.zero_grad(set_to_none=True)
+                bar.update(1)
+                continue
             if bad is not None:
                 value = loss_val if bad == "loss" else grad_norm
                 log({"type": "nonfinite", "step": step, "what": bad, "value": str(value)})
+                if cfg.on_nonfinite == "fallback":
+                    raise FallbackRequested(step, f"non-finite {bad}", last_ckpt)
                 if cfg.on_nonfinite == "skip":
                     skipped += 1
                     if graphed is None or graphed.graph is None:
@@ -400,6 +484,8 @@ def train(config: TrainConfig) -> RunResult:
                 line = progress_line(done, step_times, loss_val, val_curve[-1][1] if val_curve else None)
                 if line:
                     say(line)
+    except FallbackRequested:
+        raise
     except NonFiniteError as exc:
         result = make_result(status, message, step, None)
         exc.result = result

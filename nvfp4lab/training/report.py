@@ -30,6 +30,9 @@ class RunResult:
             ``tokens_per_s_all_steps`` counts every step, and ``step_ms_median`` is the median
             steady-state step.
         peak_memory_bytes: described by ``peak_memory_kind``.
+        precision_segments: after a fallback, ``[{"precision", "from_step", "to_step", "ended_by"}]`` for
+            each precision the run trained in (steps ``from_step`` to ``to_step``, exclusive; a segment
+            ending in a fallback ends at the checkpoint it rolled back to); ``None`` without one.
         health_time_s: time spent in the quantization-health passes (``health_interval``), not
             counted in any step's time; ``None`` when they were off.
         wall_time_s: this session's time; ``total_wall_time_s`` adds the time of the sessions
@@ -65,6 +68,7 @@ class RunResult:
     timed_steps: int | None = None
     step_ms_median: float | None = None
     health_time_s: float | None = None
+    precision_segments: list[dict[str, Any]] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
