@@ -54,14 +54,17 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .emulated import EmulatedLinear
 from .fp8 import FP8Linear, FP8Recipe
+from .fp8_recipes import DelayedScalingLinear, FP8BlockLinear
+from .mx import MXFP4Linear, MXFP8Linear
 from .precisions import EMULATED, canonical_name
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
 
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
     "GemmQuantizer", "NVFP4GemmQuantizer", "IdentityQuantizer", "set_quantization_enabled",
-    "layer_precisions", "TOKEN_PAD",
+    "layer_precisions", "TOKEN_PAD", "EMULATED_LAYERS",
 ]
 
 #: Precisions understood by :func:`convert_model` (and the trainer's nvfp4lab backend): the
@@ -483,10 +486,18 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+#: The emulated layer of each block-scaled / delayed-scaling precision (its ``recipe_class`` is the
+#: recipe :func:`convert_model` accepts as ``block_recipe``).
+EMULATED_LAYERS: dict[str, type[EmulatedLinear]] = {
+    "fp8-delayed": DelayedScalingLinear, "fp8-block": FP8BlockLinear, "mxfp8": MXFP8Linear,
+    "mxfp4": MXFP4Linear,
+}
+
+
 def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None = None, *,
                   fp8_recipe: FP8Recipe | None = None, generator: torch.Generator | None = None,
                   seed: int = 0, quantizer: GemmQuantizer | None = None,
-                  block_pattern: str = DEFAULT_BLOCK_PATTERN) -> nn.Module:
+                  block_pattern: str = DEFAULT_BLOCK_PATTERN, block_recipe: Any = None) -> nn.Module:
     """Swap the chosen ``nn.Linear`` layers of ``model`` (in place) for the given precision.
 
     precision :
@@ -497,6 +508,12 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
         ``"fp8"`` / ``"fp8-current"``: every linear layer inside the blocks becomes an
         :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes quantize every ``te.Linear``; the head,
         plain torch in a TE model, stays high precision). ``recipe`` is ignored.
+        ``"fp8-delayed"``, ``"fp8-block"``, ``"mxfp8"``, ``"mxfp4"``: the same layers become the
+        :data:`EMULATED_LAYERS` class (:class:`~nvfp4lab.fp8_recipes.DelayedScalingLinear`,
+        :class:`~nvfp4lab.fp8_recipes.FP8BlockLinear`, :class:`~nvfp4lab.mx.MXFP8Linear`,
+        :class:`~nvfp4lab.mx.MXFP4Linear`) with ``block_recipe`` (default: that class's recipe
+        defaults; a recipe of another class raises ``ValueError``). MX formats need every quantized
+        layer's feature sizes to be multiples of 32 (``ValueError`` naming the layer and size).
     recipe : the NVFP4 recipe (default ``NVFP4Recipe()``).
     generator, seed : SR generator shared by all NVFP4 layers. Default: each layer lazily creates
         its own generator on the activations' device, seeded with ``seed + i`` for the i-th linear
@@ -515,7 +532,7 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
         raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
     # Undo an earlier conversion so that conversions compose.
     for name, layer in _linear_layers(model):
-        if isinstance(layer, (NVFP4Linear, FP8Linear)):
+        if isinstance(layer, (NVFP4Linear, FP8Linear, EmulatedLinear)):
             plain = nn.Linear.__new__(nn.Linear)
             nn.Module.__init__(plain)
             plain.in_features, plain.out_features = layer.in_features, layer.out_features
@@ -537,6 +554,15 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
             if layer_is_quantized(name, precision, num_blocks, block_pattern=block_pattern):
                 _set_module(model, name, FP8Linear.from_linear(layer, recipe=fp8_recipe))
         return model
+    if canonical_name(precision) in EMULATED_LAYERS:
+        cls = EMULATED_LAYERS[canonical_name(precision)]
+        for name, layer in layers:
+            if layer_is_quantized(name, precision, num_blocks, block_pattern=block_pattern):
+                try:
+                    _set_module(model, name, cls.from_linear(layer, recipe=block_recipe))
+                except ValueError as e:
+                    raise ValueError(f"layer {name!r}: {e}") from e
+        return model
 
     recipe = recipe if recipe is not None else NVFP4Recipe()
     recipe.check_num_blocks(num_blocks)
@@ -555,20 +581,24 @@ def set_quantization_enabled(model: nn.Module, enabled: bool) -> int:
     """
     n = 0
     for m in model.modules():
-        if isinstance(m, (NVFP4Linear, FP8Linear)):
+        if isinstance(m, (NVFP4Linear, FP8Linear, EmulatedLinear)):
             m.quantize_enabled = bool(enabled)
             n += 1
     return n
 
 
 def layer_precisions(model: nn.Module) -> dict[str, str]:
-    """``{linear layer name: "nvfp4" | "fp8" | "high"}`` (disabled layers count as "high")."""
+    """``{linear layer name: "nvfp4" | "fp8" | "mxfp4" | "high"}`` (disabled layers count as "high").
+
+    Every FP8 layer (current, delayed, block scaling, MXFP8) is ``"fp8"``."""
     out = {}
     for name, m in _linear_layers(model):
         if isinstance(m, NVFP4Linear) and m.quantize_enabled:
             out[name] = "nvfp4"
-        elif isinstance(m, FP8Linear) and m.quantize_enabled:
+        elif isinstance(m, (FP8Linear, FP8BlockLinear, DelayedScalingLinear, MXFP8Linear)) and m.quantize_enabled:
             out[name] = "fp8"
+        elif isinstance(m, MXFP4Linear) and m.quantize_enabled:
+            out[name] = "mxfp4"
         else:
             out[name] = "high"
     return out

@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
+from ..fp8_recipes import DELAYED_SCALING_BUFFERS
 from ..linear import convert_model, layer_precisions, set_quantization_enabled
 from ..model import GPT
 from ..provenance import environment
@@ -52,6 +53,25 @@ def rss_bytes() -> int:
 
 
 @torch.no_grad()
+def _load_model_state(model: nn.Module, state: dict) -> None:
+    """``model.load_state_dict(state)``, strict except for FP8 delayed-scaling state.
+
+    A :class:`~nvfp4lab.fp8_recipes.DelayedScalingLinear` keeps its amax history and scales as
+    buffers: resuming a delayed-scaling run restores them, resuming it in another precision drops
+    them, and resuming another precision's checkpoint as delayed scaling starts them fresh (zero
+    history, unit scales), so checkpoints stay interchangeable across precisions.
+
+    Raises:
+        RuntimeError: any other missing or unexpected key (as a strict load would).
+    """
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    def _other(keys):
+        return [k for k in keys if k.rpartition(".")[2] not in DELAYED_SCALING_BUFFERS]
+    if _other(missing) or _other(unexpected):
+        raise RuntimeError(f"checkpoint does not match the model: missing keys {_other(missing)}, "
+                           f"unexpected keys {_other(unexpected)}")
+
+
 def _evaluate(model: nn.Module, batches, precision: str, device: torch.device) -> float:
     was_training = model.training
     model.eval()
@@ -140,6 +160,8 @@ def train(config: TrainConfig) -> RunResult:
         convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
         precisions = layer_precisions(model)
         layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
+        if "mxfp4" in precisions.values():
+            layers["mxfp4"] = sum(1 for v in precisions.values() if v == "mxfp4")
     if cfg.graph_optimizer:  # the step's CUDA graph holds the update: fused AdamW, a device lr, found_inf
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=torch.tensor(cfg.lr, device=device),
                                       betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True, capturable=True)
@@ -158,7 +180,7 @@ def train(config: TrainConfig) -> RunResult:
     if cfg.resume:
         saved = load_checkpoint(cfg.resume)
         check_resume_compatible(saved, cfg, data_info)
-        model.load_state_dict(saved["model"])
+        _load_model_state(model, saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         for g, flags in zip(optimizer.param_groups, own_flags):  # this run's implementation, not the saved one's
             g.update(flags)
