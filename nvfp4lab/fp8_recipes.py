@@ -34,8 +34,9 @@ scales computed from an amax *history* instead of the current tensor
   scales at 1.
 * The state lives in the layer's buffers ``amax_history`` (fp32 ``[amax_history_len, 3]``, columns
   input, weight, grad_output) and ``scale`` (fp32 ``[3]``), so it is saved in checkpoints.
-  Emulation choice: amaxes are recorded only when autograd is on (training steps); TE also records
-  in forward passes under ``no_grad`` inside ``te.autocast``.
+  Emulation choice: amaxes are recorded (and the histories rolled) only by passes run with autograd
+  on, which includes the trainer's evaluation forwards; forward passes under ``torch.no_grad`` use
+  the scales without recording. TE records in every forward pass inside ``te.autocast``.
 """
 
 from __future__ import annotations
