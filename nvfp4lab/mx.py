@@ -32,6 +32,10 @@ In both rules a zero block gets code 0 (``2**-127``, as TE's ``float_to_e8m0(0)`
 clamped to E8M0's ``[-127, 127]``, and a block holding NaN gets the NaN scale (code 255; OCP MX
 section 6.3), so its values dequantize to NaN. GEMMs: :func:`nvfp4lab.emulated.scaled_matmul`.
 
+:func:`nvfp4lab.variants.quantize_mxfp4` (the error-study quantizer of the book, any shape, with SR and
+RHT options) computes the same values: its ``scale_rule="ceil"`` / ``"floor"`` are ``"up"`` / ``"ocp"``
+here (tests check they agree bit for bit on finite inputs).
+
 Shapes: MX quantizes whole 32-element blocks only; a dimension that is not a multiple of 32 raises
 ``ValueError`` naming it (TE requires the same).
 """

@@ -19,6 +19,7 @@ from nvfp4lab.model import GPT, get_preset
 from nvfp4lab.mx import (MXFP4Linear, MXFP4Recipe, MXFP8Linear, MXFP8Recipe, MXScheme, mxfp4_scale_codes,
                          quantize_mxfp4, quantize_mxfp8)
 from nvfp4lab.training import TrainConfig, train
+from nvfp4lab import variants
 
 E4, E5 = torch.float8_e4m3fn, torch.float8_e5m2
 
@@ -154,6 +155,21 @@ def test_mxfp4_rowwise_vs_columnwise_bit_equal_paths():
         ref = quantize_mxfp4(x.t().contiguous(), scale_rounding=rounding)
         assert torch.equal(row.data, quantize_mxfp4(x, scale_rounding=rounding).data)
         assert torch.equal(col.data, ref.data) and torch.equal(col.scale_e8m0, ref.scale_e8m0)
+
+
+def test_mxfp4_matches_the_variants_quantizer():
+    g = torch.Generator().manual_seed(4)
+    x = torch.randn(64, 256, generator=g) * torch.exp(4 * torch.randn(64, 8, generator=g)).repeat_interleave(32, 1)
+    x[0, :32] = 6.0 * 2.0 ** -3                       # exact power-of-two edges
+    x[1, :32] = above(6.0)
+    x[2, :32] = 0.0
+    for ours, theirs in (("up", "ceil"), ("ocp", "floor")):
+        a = quantize_mxfp4(x, scale_rounding=ours)
+        b = variants.quantize_mxfp4(x, scale_rule=theirs)
+        assert torch.equal(a.data, b.codes)
+        nonzero = x.reshape(64, 8, 32).abs().amax(-1) > 0
+        assert torch.equal(a.scale_inv[nonzero], b.scales[nonzero])
+        assert torch.equal(a.dequantize(), b.dequantize().float())
 
 
 # ----------------------------------------------------------------------------- recipes, shapes, layers
