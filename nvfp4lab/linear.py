@@ -64,7 +64,7 @@ from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_qu
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
     "GemmQuantizer", "NVFP4GemmQuantizer", "IdentityQuantizer", "set_quantization_enabled",
-    "layer_precisions", "TOKEN_PAD", "EMULATED_LAYERS",
+    "layer_precisions", "TOKEN_PAD", "EMULATED_LAYERS", "block_recipe_for",
 ]
 
 #: Precisions understood by :func:`convert_model` (and the trainer's nvfp4lab backend): the
@@ -492,6 +492,23 @@ EMULATED_LAYERS: dict[str, type[EmulatedLinear]] = {
     "fp8-delayed": DelayedScalingLinear, "fp8-block": FP8BlockLinear, "mxfp8": MXFP8Linear,
     "mxfp4": MXFP4Linear,
 }
+
+
+def block_recipe_for(precision: str, data: Any = None) -> Any:
+    """The recipe of an :data:`EMULATED_LAYERS` precision built from plain data (``to_dict()`` form,
+    a recipe object, or ``None`` for the defaults): :class:`~nvfp4lab.fp8_recipes.DelayedScalingRecipe`,
+    :class:`~nvfp4lab.fp8_recipes.FP8BlockRecipe`, :class:`~nvfp4lab.mx.MXFP8Recipe` or
+    :class:`~nvfp4lab.mx.MXFP4Recipe`.
+
+    Raises:
+        ValueError: ``precision`` has no such recipe (the message lists those that do), or a field
+            is unknown or invalid (named by the recipe's validation).
+    """
+    name = canonical_name(precision)
+    if name not in EMULATED_LAYERS:
+        raise ValueError(f"precision {precision!r} has no block/delayed-scaling recipe; "
+                         f"those that do: {', '.join(EMULATED_LAYERS)}")
+    return EMULATED_LAYERS[name].recipe_class.from_dict(data)
 
 
 def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None = None, *,

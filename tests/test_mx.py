@@ -246,3 +246,32 @@ def test_trains_with_finite_decreasing_loss(tmp_path, precision):
         losses = [x["loss"] for x in map(json.loads, f) if x["type"] == "train"]
     assert len(losses) == 12 and all(torch.isfinite(torch.tensor(losses)))
     assert losses[-1] < losses[0] - 0.5
+
+
+def test_train_config_block_recipe_and_variants():
+    c = TrainConfig(precision="mxfp4", block_recipe={"scale_rounding": "ocp"}).resolved()
+    assert TrainConfig.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    for bad, match in ((dict(precision="nvfp4", block_recipe={}), "no block/delayed-scaling recipe"),
+                       (dict(precision="mxfp4", block_recipe={"scale_rounding": "x"}), "scale_rounding"),
+                       (dict(precision="mxfp8", block_recipe={"foo": 1}), "foo")):
+        with pytest.raises(ValueError, match=match):
+            TrainConfig(**bad).resolved()
+    v = TrainConfig().with_variant("mxfp4-ocp")
+    assert (v.precision, v.block_recipe, v.name) == ("mxfp4", {"scale_rounding": "ocp"}, "mxfp4-ocp")
+    assert v.with_variant("fp8-block").block_recipe is None      # not carried to another precision
+
+
+def test_train_uses_the_block_recipe(tmp_path, monkeypatch):
+    from nvfp4lab.training import loop
+    seen = {}
+    real = loop.convert_model
+
+    def spy(model, precision, *a, **kw):
+        seen["recipe"] = kw.get("block_recipe")
+        return real(model, precision, *a, **kw)
+
+    monkeypatch.setattr(loop, "convert_model", spy)
+    cfg = TrainConfig(preset="ci", n_layer=2, n_embd=32, n_head=2, seq_len=32, batch_size=2, steps=1, eval_interval=1,
+                      eval_batches=1, out=str(tmp_path / "r"), progress=False, plot=False, precision="mxfp4",
+                      block_recipe={"scale_rounding": "ocp"})
+    assert train(cfg).status == "completed" and seen["recipe"] == MXFP4Recipe(scale_rounding="ocp")

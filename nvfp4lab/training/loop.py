@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
 from ..fp8_recipes import DELAYED_SCALING_BUFFERS
-from ..linear import convert_model, layer_precisions, set_quantization_enabled
+from ..linear import block_recipe_for, convert_model, layer_precisions, set_quantization_enabled
 from ..model import GPT
 from ..provenance import environment
 from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
@@ -157,7 +157,10 @@ def train(config: TrainConfig) -> RunResult:
         layers = model.layer_counts()
     else:
         model = GPT(cfg.model_config()).to(device)
-        convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
+        block_recipe = (block_recipe_for(cfg.precision, cfg.block_recipe) if cfg.block_recipe is not None
+                        else None)
+        convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen,
+                      block_recipe=block_recipe)
         precisions = layer_precisions(model)
         layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
         if "mxfp4" in precisions.values():
