@@ -28,15 +28,18 @@ scales computed from an amax *history* instead of the current tensor
   rolled: slot ``i`` takes slot ``i + 1``, the last slot takes the just-recorded amax, slot 0 is
   zeroed. The amax used is the max over the window (``amax_compute_algo="max"``) or the
   just-recorded one (``"most_recent"``), and ``scale = RN((fp8_max * 2**-margin) / amax)``; a
-  non-finite or zero amax keeps the old scale, an overflowing quotient gives ``FLT_MAX``.
+  non-finite or zero amax keeps the old scale, an overflowing quotient gives ``FLT_MAX``. As in TE's
+  default, fused update (``kernel_bulk``, used unless ``NVTE_UNFUSED_FP8_UPDATE=1`` or a callable
+  algorithm), a recorded amax of exactly 0 leaves both the history and the scale unchanged.
 * Defaults (TE 2.20 ``DelayedScaling``): ``margin=0``, ``fp8_format=HYBRID``,
   ``amax_history_len=1024``, ``amax_compute_algo="max"``. The history starts at zeros and the
   scales at 1.
 * The state lives in the layer's buffers ``amax_history`` (fp32 ``[amax_history_len, 3]``, columns
   input, weight, grad_output) and ``scale`` (fp32 ``[3]``), so it is saved in checkpoints.
-  Emulation choice: amaxes are recorded (and the histories rolled) only by passes run with autograd
-  on, which includes the trainer's evaluation forwards; forward passes under ``torch.no_grad`` use
-  the scales without recording. TE records in every forward pass inside ``te.autocast``.
+  Forward updates run only with autograd on, as TE's ``autocast_exit`` (``quantization.py``) checks
+  ``torch.is_grad_enabled()``; this includes the trainer's evaluation forwards, which do not disable
+  autograd. A forward under ``torch.no_grad`` records nothing here, whereas TE's cast still writes
+  its amax into slot 0, where the next training step's amax is max-ed into it.
 """
 
 from __future__ import annotations
@@ -338,10 +341,12 @@ class DelayedScalingScheme:
                 i = ROLES.index(role)
                 h = self.amax_history[:, i]
                 last = h[0].clone()
+                recorded = last != 0   # TE's fused kernel neither rolls nor rescales after a zero amax
                 rolled = torch.cat([h[1:], last.reshape(1)])
                 amax = rolled.amax() if self.recipe.amax_compute_algo == "max" else last
+                amax = torch.where(recorded, amax, torch.zeros_like(amax))
                 rolled[0] = 0.0
-                h.copy_(rolled)
+                h.copy_(torch.where(recorded, rolled, h))
                 scaled_max = torch.tensor(self.recipe.scaled_max(role), dtype=torch.float32, device=h.device)
                 ok = torch.isfinite(amax) & (amax > 0)
                 new = scaled_max / torch.where(ok, amax, torch.ones_like(amax))

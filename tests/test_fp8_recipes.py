@@ -236,6 +236,16 @@ def test_delayed_scaling_history_over_steps():
     assert layer.amax_history[:, 0].tolist() == [0.0, 2.0, 1.0]    # 8 and 4 left the window
 
 
+def test_delayed_scaling_zero_amax_step_changes_nothing():
+    layer = DelayedScalingLinear(32, 16, bias=False, recipe=DelayedScalingRecipe(amax_history_len=3))
+    _step(layer, 4.0, 1.0)
+    history, scale = layer.amax_history.clone(), layer.scale.clone()
+    x = torch.zeros(4, 32, requires_grad=True)       # input amax 0: TE's fused update skips the roll
+    layer(x).backward(torch.ones(4, 16))
+    assert torch.equal(layer.amax_history[:, 0], history[:, 0]) and layer.scale[0] == scale[0]
+    assert layer.amax_history[-1, 2].item() == 1.0 and layer.amax_history[-2, 2].item() == 1.0  # grads rolled
+
+
 def test_delayed_scaling_most_recent_margin_and_no_grad():
     layer = DelayedScalingLinear(32, 16, bias=False, recipe=DelayedScalingRecipe(
         amax_history_len=4, amax_compute_algo="most_recent", margin=1))
