@@ -240,9 +240,16 @@ class EmulatedLinear(nn.Linear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, recipe: Any = None) -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self._setup(recipe)
+        self.setup(recipe)
 
-    def _setup(self, recipe: Any) -> None:
+    def setup(self, recipe: Any) -> None:
+        """Set the recipe (``None``: ``recipe_class()``), enable quantization and check the feature sizes;
+        called by ``__init__`` and :meth:`from_linear` once the parameters exist. Subclasses extend it to
+        create their state (buffers).
+
+        Raises:
+            ValueError: a recipe of another class, or feature sizes :meth:`check_shape` refuses.
+        """
         recipe = self.recipe_class() if recipe is None else recipe
         if not isinstance(recipe, self.recipe_class):
             raise ValueError(f"{type(self).__name__} needs a {self.recipe_class.__name__} recipe, "
@@ -262,7 +269,7 @@ class EmulatedLinear(nn.Linear):
         new.in_features, new.out_features = linear.in_features, linear.out_features
         new.weight = linear.weight
         new.bias = linear.bias
-        new._setup(recipe)
+        new.setup(recipe)
         return new
 
     def scheme(self) -> LinearScheme:

@@ -370,8 +370,8 @@ class DelayedScalingLinear(EmulatedLinear):
     precision = "fp8-delayed"
     recipe_class = DelayedScalingRecipe
 
-    def _setup(self, recipe: Any) -> None:
-        super()._setup(recipe)
+    def setup(self, recipe: Any) -> None:
+        super().setup(recipe)
         device = self.weight.device
         self.register_buffer("amax_history", torch.zeros(self.recipe.amax_history_len, len(ROLES),
                                                          dtype=torch.float32, device=device))

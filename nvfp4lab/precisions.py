@@ -5,6 +5,9 @@ which of TE's availability checks answers for it, and whether nvfp4lab emulates 
 ``--precision`` choices, :func:`nvfp4lab.convert_model`, the TE model builder and the capability
 probe all read this table; nothing else lists precision names.
 
+``mxfp4`` (E2M1 elements, E8M0 scales per 32 elements, :mod:`nvfp4lab.mx`) is emulated only: TE 2.20
+has no MXFP4 recipe, so it has no ``te_recipe`` and the ``te`` backend does not list it.
+
 Sources: TE 2.20's recipe classes (``transformer_engine/common/recipe/__init__.py``) and its
 availability functions (``transformer_engine/pytorch/quantization.py``: ``is_fp8_available``,
 ``is_fp8_block_scaling_available``, ``is_mxfp8_available``, ``is_nvfp4_available``).
