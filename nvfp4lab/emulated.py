@@ -19,11 +19,13 @@ Under ``torch.autocast`` the input is cast to the autocast dtype first and the G
 autocast off.
 
 The GEMM (:func:`scaled_matmul`) multiplies the dequantized operands in float64 and rounds the
-result once to float32. With power-of-two scales (FP8 block's default, every MX format) every
-dequantized element has at most 4 significant bits times a power of two, so each product is exact in
-float64 and, for the tensor sizes of this project, so is the sum: the result is the exact GEMM
-rounded once, independent of accumulation order. Hardware accumulates block partial sums in fp32
-(cuBLASLt block-scaled GEMMs), so it agrees up to its accumulation rounding.
+result once to float32. With power-of-two scales (FP8 block's default, every MX format) a dequantized
+element has at most 4 significant bits (E4M3; E5M2 3, E2M1 2) times a power of two, so every product
+is exact in float64, and so is the sum unless its terms span more than about ``2**44`` in magnitude:
+the result is then the exact GEMM rounded once, independent of accumulation order. With fp32 block
+scales (``power_2_scale=False``) a dequantized element has up to 28 significant bits and the float64
+products round. Hardware accumulates block partial sums in fp32 (cuBLASLt block-scaled GEMMs), so it
+agrees up to its accumulation rounding.
 """
 
 from __future__ import annotations
