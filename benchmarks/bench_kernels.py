@@ -30,6 +30,7 @@ between repeats, inputs rotated when they would fit in L2); CPU timings are medi
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
 import subprocess
@@ -48,7 +49,7 @@ from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.capabilities import require_device  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.timing import bench_ms, graph_ms, median_ms  # noqa: E402
-from nvfp4lab.quantize import quantize  # noqa: E402
+from nvfp4lab.quantize import quantize, quantize_rowwise_columnwise  # noqa: E402
 
 GPT2_SMALL = [("gpt2.attn.qkv", 768, 2304), ("gpt2.attn.proj", 768, 768), ("gpt2.mlp.fc", 768, 3072),
               ("gpt2.mlp.proj", 3072, 768)]
@@ -103,22 +104,24 @@ def bench_copy(device: str, n: int, repeat: int) -> dict:
 
 
 # ----------------------------------------------------------------------------- 2. quantize
-def _quant_cases(fast: bool, device: str = "cpu"):
+def _quant_cases(device: str = "cpu"):
     """name -> (callable(x), bytes written per element, passes over the input)."""
-    F = kernels
     amax = torch.tensor(5.0, device=device)  # a device tensor: no host-to-device copy per call
     out1 = 0.5 + 1 / 16  # packed codes + one E4M3 scale per 16
+    q = functools.partial(quantize, check=False)  # the kernels alone (the public call's check: see bench_api)
+
+    def both(x, col_rht=False, rounding="nearest", block="1d"):
+        return quantize_rowwise_columnwise(x, dict(block=block, rounding=rounding),
+                                           dict(block=block, rht=col_rht, rounding=rounding), fallback=False)
+
     cases = {
-        "row_1d_rne": (lambda x: F.quantize_fast(x), out1, 2),
-        "row_1d_rne_amax_given": (lambda x: F.quantize_fast(x, amax=amax), out1, 1),
-        "row_1d_sr": (lambda x: F.quantize_fast(x, rounding="stochastic"), out1, 2),
-        "col_1d_rht_rne(x.t())": (lambda x: F.quantize_fast(x.t(), rht=True), out1, 2),
-        "weight_2d_row+col": (lambda x: F.fused_quantize_rowwise_columnwise(x, block="2d", fallback=False),
-                              2 * out1, 2),
-        "act_row+col_rht_rne": (lambda x: F.fused_quantize_rowwise_columnwise(x, rht=True, fallback=False),
-                                2 * out1, 2),
-        "grad_row+col_rht_sr": (lambda x: F.fused_quantize_rowwise_columnwise(
-            x, rht=True, rounding="stochastic", fallback=False), 2 * out1, 2),
+        "row_1d_rne": (lambda x: q(x), out1, 2),
+        "row_1d_rne_amax_given": (lambda x: q(x, amax=amax), out1, 1),
+        "row_1d_sr": (lambda x: q(x, rounding="stochastic"), out1, 2),
+        "col_1d_rht_rne(x.t())": (lambda x: q(x.t(), rht=True), out1, 2),
+        "weight_2d_row+col": (lambda x: both(x, block="2d"), 2 * out1, 2),
+        "act_row+col_rht_rne": (lambda x: both(x, col_rht=True), 2 * out1, 2),
+        "grad_row+col_rht_sr": (lambda x: both(x, col_rht=True, rounding="stochastic"), 2 * out1, 2),
         "dequant_block_values_bf16": None,  # filled below (needs a quantized input)
     }
     return cases
@@ -132,13 +135,13 @@ def bench_quantize(device: str, sizes: list[int], repeat: int, copy_gbps: float,
         esize = torch.tensor([], dtype=dtype).element_size()
         nbytes_in = n * n * esize
         gen = _rotating(lambda i: torch.randn(n, n, device=device, dtype=torch.float32).to(dtype), nbytes_in, device)
-        cases = _quant_cases(fast_ok, device)
+        cases = _quant_cases(device)
         for name, spec in cases.items():
             if not fast_ok:
                 break
             if spec is None:
-                q = kernels.quantize_fast(gen())
-                fn = lambda q=q: kernels.block_values_bf16(q)  # noqa: E731
+                q = quantize(gen())
+                fn = lambda q=q: q.block_values(torch.bfloat16)  # noqa: E731
                 min_b = n * n * (0.5 + 1 / 16) + n * n * 2
                 moved = min_b
             else:
@@ -151,7 +154,7 @@ def bench_quantize(device: str, sizes: list[int], repeat: int, copy_gbps: float,
                 eager = bench_ms(fn, device, repeat=repeat)
                 if device == "cuda":  # kernel throughput: one input, captured, replayed
                     x_fixed = gen()
-                    f_fixed = (lambda q=q: kernels.block_values_bf16(q)) if spec is None \
+                    f_fixed = (lambda q=q: q.block_values(torch.bfloat16)) if spec is None \
                         else (lambda f=f, x_fixed=x_fixed: f(x_fixed))
                     ms = graph_ms(f_fixed)
                 else:
@@ -191,8 +194,7 @@ def _linear_variants(device: str, K: int, N: int, with_reference: bool):
         if kernels.available(device):
             def fast():
                 gen = torch.Generator(device).manual_seed(0)
-                layer = NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, generator=gen,
-                                    quantizer=kernels.TritonGemmQuantizer())
+                layer = NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, generator=gen)
                 layer.sr_generators = (gen,)  # registered with the CUDA graph (SR draws per replay)
                 return layer
 

@@ -1,6 +1,6 @@
 """Static SASS instruction counts of the quantize kernels for sm_90, compiled without a GPU.
 
-    python benchmarks/kernel_sass.py [--json OUT]
+    python benchmarks/kernel_sass.py [--json OUT]      # the book reads results/kernel_sass_sm90.json
 
 Triton compiles each kernel configuration for an H100/H200 target (``GPUTarget("cuda", 90, 32)``,
 its bundled ``ptxas``) and its bundled ``cuobjdump`` disassembles the cubin. The table gives the
@@ -33,6 +33,7 @@ from triton.backends.compiler import GPUTarget  # noqa: E402
 from triton.compiler import ASTSource  # noqa: E402
 
 from nvfp4lab.kernels import options  # noqa: E402
+from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.kernels import triton_kernels as tk  # noqa: E402
 
 BIN = Path(triton.__file__).parent / "backends" / "nvidia" / "bin"
@@ -150,8 +151,10 @@ def main(argv=None) -> int:
         rows[name] = row
         print(f"{name:40s} " + " ".join(f"{row[k]:9.2f}" for k in cols) + f"   {regs:4d}", flush=True)
     if args.json:
-        args.json.write_text(json.dumps({"target": "sm_90", "triton": triton.__version__, "per_element": rows},
-                                        indent=1))
+        args.json.write_text(json.dumps({"target": "sm_90", "triton": triton.__version__,
+                                         "command": "python benchmarks/kernel_sass.py --json " + str(args.json),
+                                         "columns": cols, "environment": environment(), "per_element": rows},
+                                        indent=1) + "\n")
     return 0
 
 

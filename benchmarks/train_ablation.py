@@ -21,7 +21,8 @@ Writes ``results/train_ablation.json`` (versions, device, date, seed, steps, per
 curves, table, seed noise) and ``results/train_ablation.png``, which the book reads. Run folders (metrics,
 checkpoints, per-run plots) go to ``runs/train_ablation/``.
 
-Usage (from the repository root; ~20-30 min on 2 CPU cores)::
+Usage (from the repository root; the recorded runs' wall times are in ``results/train_ablation.json``:
+``runs[*].wall_time_s``, their sum ``runs_wall_time_s_sum``, and the note on how many ran at once)::
 
     nice python benchmarks/train_ablation.py                      # the full benchmark
     nice python benchmarks/train_ablation.py --jobs 2             # two runs at a time, 1 thread each

@@ -39,8 +39,9 @@ from .recipe import NVFP4Recipe
 from .linear import NVFP4Linear, convert_model
 from .training import RunResult, TrainConfig, compare, train
 from .capabilities import Capabilities, probe
+from .provenance import package_version
 
-__version__ = "0.1.0"
+__version__ = package_version()
 
 __all__ = [
     "Capabilities",

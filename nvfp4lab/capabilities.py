@@ -410,6 +410,19 @@ def _fmt_gib(total_memory_bytes: int | None) -> str:
     return "" if total_memory_bytes is None else f", {total_memory_bytes / 2**30:.0f} GiB"
 
 
+def _fp4_peak_text(compute_capability: tuple[int, int]) -> str:
+    """The datasheet FP4-over-FP8 peaks of the GPUs of one compute capability (nvfp4lab.hardware), as text."""
+    from .hardware import GPUS
+
+    rows = [g for g in GPUS if g.compute_capability == tuple(compute_capability) and g.fp4_tflops]
+    if not rows:
+        return ""
+    peaks = "; ".join(f"{g.name}: {g.fp4_tflops:,.0f} vs {g.fp8_tflops:,.0f} TFLOP/s" for g in rows)
+    ratios = sorted({g.fp4_tflops / g.fp8_tflops for g in rows})
+    ratio = " to ".join(f"{r:g}" for r in ratios)
+    return f", with {ratio}× FP8's dense GEMM rate ({peaks}; datasheets, nvfp4lab.hardware)"
+
+
 def recommend(
     compute_capability: tuple[int, int] | None,
     total_memory_bytes: int | None,
@@ -446,8 +459,8 @@ def recommend(
     if formats["nvfp4"].native:
         text = (
             f"NVFP4 through TE (--backend te --precision nvfp4: NVFP4BlockScaling) when training is memory- or throughput-bound: "
-            f"this GPU (SM {cc}{mem}) has FP4 tensor cores, with twice FP8's dense GEMM rate "
-            f"(B200: 9 vs 4.5 PFLOP/s), and GEMM operands take 0.5625 bytes per element instead of "
+            f"this GPU (SM {cc}{mem}) has FP4 tensor cores{_fp4_peak_text(compute_capability)}, "
+            f"and GEMM operands take 0.5625 bytes per element instead of "
             f"1 (FP8) or 2 (BF16). "
             f"Keep the first and last blocks in BF16 (NVFP4Recipe.bf16_first_layers / bf16_last_layers, "
             f"applied with nested autocast), as the NVFP4 paper does. "

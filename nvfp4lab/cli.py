@@ -138,6 +138,9 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     b.add_argument("--cuda-graph", action="store_true",
                    help="capture forward+backward of a step in a CUDA graph after a few eager steps "
                         "(CUDA, nvfp4lab backend; much faster for small models)")
+    b.add_argument("--compile", action="store_true",
+                   help="run the training forward and backward through torch.compile (nvfp4lab backend; NVFP4 "
+                        "layers are custom ops to it, with the eager numerics)")
     b.add_argument("--graph-optimizer", action="store_true",
                    help="with --cuda-graph: capture the fused AdamW step in the graph too (a non-finite step "
                         "is still skipped or stops the run)")
@@ -180,7 +183,7 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         eval_batches=args.eval_batches, log_interval=args.log_interval,
         checkpoint_interval=args.checkpoint_interval, on_nonfinite=args.on_nonfinite,
         device=_resolve_device(args.device), threads=args.threads, cuda_graph=args.cuda_graph,
-        graph_optimizer=args.graph_optimizer,
+        graph_optimizer=args.graph_optimizer, compile=args.compile,
         progress=args.progress if args.progress is not None else (None if sys.stderr.isatty() else "lines"),
         plot=args.plot, extend_schedule=getattr(args, "extend_schedule", False),
         out=getattr(args, "out", None), resume=getattr(args, "resume", None),

@@ -38,8 +38,10 @@ BUILTIN_CORPUS = "pydoc_data.topics"
 class Corpus:
     """Raw text of a corpus plus where it came from.
 
-    text : the full text (str). source : ``"pydoc_data.topics"`` or the path read.
-    files : number of files read (1 for the built-in corpus).
+    Attributes:
+        text: the full text.
+        source: ``"pydoc_data.topics"`` or the path read.
+        files: number of files read (1 for the built-in corpus).
     """
 
     text: str

@@ -50,12 +50,14 @@ _FP8_MAX = {torch.float8_e4m3fn: FP8_E4M3_MAX, torch.float8_e5m2: FP8_E5M2_MAX}
 class FP8Recipe:
     """Mirror of TE's ``Float8CurrentScaling`` fields that change numerics.
 
-    fp8_format : "HYBRID" (E4M3 forward, E5M2 grad_output; TE's default) or "E4M3".
-    use_power_2_scales : round each scale down to a power of two (TE: env
-        ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``; default False).
-    amax_epsilon : floor applied to the amax before computing the scale (default 0.0).
+    Attributes:
+        fp8_format: ``"HYBRID"`` (E4M3 forward, E5M2 grad_output; TE's default) or ``"E4M3"``.
+        use_power_2_scales: round each scale down to a power of two (TE: env
+            ``NVTE_FP8_CURRENT_SCALING_POWER_2_SCALES``; default False).
+        amax_epsilon: floor applied to the amax before computing the scale (default 0.0).
 
-    Raises ``ValueError`` for an unknown format, a non-bool flag or a negative epsilon.
+    Raises:
+        ValueError: an unknown format, a non-bool flag or a negative epsilon.
     """
 
     fp8_format: str = "HYBRID"
@@ -118,9 +120,10 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, *, use_power_2_scales: boo
 class FP8Tensor:
     """A per-tensor-scaled FP8 tensor.
 
-    data : float8 (``float8_e4m3fn`` or ``float8_e5m2``), same shape as the source.
-    scale_inv : fp32 0-d, ``RN(1/scale)``; ``dequantize() = data * scale_inv``.
-    amax : fp32 0-d, ``max|x|`` of the source.
+    Attributes:
+        data: float8 (``float8_e4m3fn`` or ``float8_e5m2``), same shape as the source.
+        scale_inv: fp32 0-d, ``RN(1/scale)``; ``dequantize() = data * scale_inv``.
+        amax: fp32 0-d, ``max|x|`` of the source.
     """
 
     data: torch.Tensor

@@ -47,6 +47,7 @@ options and the SR generator state used, so tests can check them bit for bit aga
 from __future__ import annotations
 
 import contextlib
+import weakref
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterator, Protocol
 
@@ -57,9 +58,12 @@ import torch.nn.functional as F
 from .emulated import EmulatedLinear
 from .fp8 import FP8Linear, FP8Recipe
 from .fp8_recipes import DelayedScalingLinear, FP8BlockLinear
+from .hadamard import WGRAD_SIGNS
 from .mx import MXFP4Linear, MXFP8Linear
 from .precisions import EMULATED, canonical_name
+from .quantize import NVFP4Tensor, nvfp4_matmul, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
+from .rounding import SRStream
 
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
@@ -83,7 +87,7 @@ class GemmQuantizer(Protocol):
     also define ``quantize_pair(x, row_options, col_options, generator=, values=)`` returning
     the rowwise copy of ``x`` [M, K] and the columnwise copy (``xᵀ`` quantized along M)
     together, or ``None`` to decline (``values``: which of the two should carry its BF16 block
-    values for the GEMM, see :func:`nvfp4lab.kernels.fused_quantize_rowwise_columnwise`);
+    values for the GEMM, see :func:`nvfp4lab.quantize.quantize_rowwise_columnwise`);
     :class:`NVFP4Linear` then
     neither transposes nor scans for NaN (the kernels' NaN-propagating amaxes make the
     outputs NaN instead, with no host synchronisation).
@@ -96,31 +100,23 @@ class GemmQuantizer(Protocol):
 
 
 class NVFP4GemmQuantizer:
-    """The default: :func:`nvfp4lab.quantize.quantize` and :func:`nvfp4lab.quantize.nvfp4_matmul`.
-
-    Both take the Triton kernels of :mod:`nvfp4lab.kernels` on CUDA; ``quantize_pair`` takes
-    the fused rowwise + columnwise kernels on CUDA and declines elsewhere.
+    """The default: :func:`nvfp4lab.quantize.quantize`, :func:`~nvfp4lab.quantize.quantize_rowwise_columnwise`
+    and :func:`nvfp4lab.quantize.nvfp4_matmul`, which take the Triton kernels wherever they run and
+    cover the options (the decision is theirs); ``quantize_pair`` declines (``None``) where the
+    kernels do not cover the pair, so that the layer pads and transposes for the reference itself.
     """
 
     name = "nvfp4"
 
     def quantize(self, x: torch.Tensor, **options: Any):
-        from .quantize import quantize
-
         return quantize(x, **options)
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
-                      generator: torch.Generator | None = None, values: tuple[bool, bool] = (False, False)):
-        if not x.is_cuda:
-            return None
-        from . import kernels
-
-        return kernels.quantize_pair_fast(x, row, col, generator=generator, values=values)
+                      generator: "torch.Generator | SRStream | None" = None, values: tuple[bool, bool] = (False, False)):
+        return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None) -> torch.Tensor:
-        from .quantize import nvfp4_matmul
-
         return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
 
 
@@ -150,12 +146,15 @@ class IdentityQuantizer:
 class GemmOperand:
     """One quantized GEMM operand, as recorded by :func:`capture_gemm_operands`.
 
-    gemm : "fprop" | "dgrad" | "wgrad".  operand : "x", "w" (Fprop), "dy", "wt" (Dgrad),
-    "dyt", "xt" (Wgrad).  layer : the layer's name (set by :func:`convert_model`).
-    options : the keyword arguments given to the quantizer (without ``generator``).
-    rng_state : the SR generator's state just before the call (None when rounding is RNE).
-    source : the exact high-precision tensor handed to the quantizer (after transposing and
-    padding).  tensor : the quantized result (an ``NVFP4Tensor`` with the default quantizer).
+    Attributes:
+        gemm: ``"fprop"``, ``"dgrad"`` or ``"wgrad"``.
+        operand: ``"x"``, ``"w"`` (Fprop), ``"dy"``, ``"wt"`` (Dgrad), ``"dyt"``, ``"xt"`` (Wgrad).
+        layer: the layer's name (set by :func:`convert_model`).
+        options: the keyword arguments given to the quantizer (without ``generator``).
+        rng_state: the SR generator's state just before the call (``None`` when rounding is RNE).
+        source: the exact high-precision tensor handed to the quantizer (after transposing and
+            padding).
+        tensor: the quantized result (an ``NVFP4Tensor`` with the default quantizer).
     """
 
     gemm: str
@@ -165,6 +164,15 @@ class GemmOperand:
     rng_state: torch.Tensor | None
     source: torch.Tensor
     tensor: Any
+
+    def rng(self) -> "torch.Generator | SRStream | None":
+        """A fresh SR random source in the state this operand was drawn from (``None`` for RNE):
+        ``quantize(source, generator=op.rng(), **op.options)`` reproduces :attr:`tensor`."""
+        if self.rng_state is None:
+            return None
+        if self.rng_state.dtype == torch.int64:  # an SRStream's [key, counter]
+            return SRStream(0, self.source.device).set_state(self.rng_state)
+        return torch.Generator(device=self.source.device).set_state(self.rng_state)
 
 
 _OBSERVERS: list[Callable[[GemmOperand], None]] = []
@@ -187,22 +195,38 @@ def capture_gemm_operands() -> Iterator[list[GemmOperand]]:
 
 
 # ----------------------------------------------------------------------------- the Function
+#: Layer states by key (see _LayerState._register), for the torch.compile custom ops.
+_STATES: "weakref.WeakValueDictionary[int, _LayerState]" = weakref.WeakValueDictionary()
+
 @dataclass
 class _LayerState:
     recipe: NVFP4Recipe
     quantizer: Any
     name: str = ""
-    generator: torch.Generator | None = None
+    generator: "torch.Generator | SRStream | None" = None
     seed: int = 0
-    _generators: dict[str, torch.Generator] = field(default_factory=dict)
+    _streams: dict[str, SRStream] = field(default_factory=dict)
 
-    def sr_generator(self, device: torch.device) -> torch.Generator:
+    def __post_init__(self) -> None:
+        self._register()
+
+    def __setstate__(self, state: dict) -> None:  # copy / deepcopy / pickle: a new object, a new key
+        self.__dict__.update(state)
+        self._register()
+
+    def _register(self) -> None:
+        """Give this state the integer key the compile-mode custom ops find it by."""
+        self.key = id(self)
+        _STATES[self.key] = self
+
+    def sr_generator(self, device: torch.device) -> "torch.Generator | SRStream":
+        """The SR random source: the one given, else this layer's :class:`SRStream` on ``device``."""
         if self.generator is not None:
             return self.generator
         key = str(device)
-        if key not in self._generators:
-            self._generators[key] = torch.Generator(device=device).manual_seed(self.seed)
-        return self._generators[key]
+        if key not in self._streams:
+            self._streams[key] = SRStream(self.seed, device)
+        return self._streams[key]
 
 
 def _observe(state: _LayerState, gemm: str, operand: str, options: dict, rng_state, source, q) -> None:
@@ -266,12 +290,96 @@ def _columnwise(x2d: torch.Tensor, rht: bool) -> torch.Tensor:
     return _pad_tokens(xt, TOKEN_PAD) if rht else xt
 
 
-def _nan_filled(shape, nan: bool, dtype, device) -> torch.Tensor:
-    return torch.full(shape, float("nan") if nan else 0.0, dtype=dtype, device=device)
+def _nan_operand(rows: int, cols: int, options: dict, dtype: torch.dtype, device) -> NVFP4Tensor:
+    """A stand-in for a backward copy of a NaN input: any GEMM with it is NaN (its amax is NaN)."""
+    block = options["block"]
+    srows = -(-rows // 16) if block == "2d" else rows
+    return NVFP4Tensor(data=torch.zeros(rows, -(-cols // 2), dtype=torch.uint8, device=device),
+                       scale=torch.zeros(srows, -(-cols // 16), dtype=torch.uint8, device=device).view(torch.float8_e4m3fn),
+                       amax=torch.full((), float("nan"), device=device), shape=torch.Size([rows, cols]),
+                       block=block, dtype=dtype, rht=options["rht"], rounding=options["rounding"],
+                       rht_signs=torch.as_tensor(options.get("rht_signs", WGRAD_SIGNS), dtype=torch.float32)
+                       if options["rht"] else None)
+
+
+def _copy_shapes(state: _LayerState, M: int, K: int, N: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Logical shapes of the saved columnwise copies: Xᵀ [K, M'] (tokens padded to 16 for the RHT)
+    and Wᵀ [K, N]."""
+    rht = state.recipe.quantize_options("input_columnwise")["rht"]
+    return (K, -(-M // TOKEN_PAD) * TOKEN_PAD if rht else M), (K, N)
+
+
+def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+           need_dgrad: bool, need_wgrad: bool):
+    """The forward: ``(Y [M, N], Xᵀ copy or None, Wᵀ copy or None)``, the copies quantized now for
+    the backward, as TE does. Shared by the autograd function (eager) and the custom op (compile)."""
+    M, K = x2d.shape
+    N = weight.shape[0]
+    if M == 0:
+        return torch.zeros(0, N, dtype=x2d.dtype, device=x2d.device), None, None
+    # values for the Fprop operands only: the columnwise copies wait for the backward packed
+    px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
+                        ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False))
+    pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
+                        ("dgrad", "wt", "weight_columnwise") if need_dgrad else None, (True, False)) if px else None
+    if px is not None and pw is not None:
+        (qx, qxt), (qw, qwt) = px, pw
+    else:
+        if bool(torch.isnan(x2d).any()) or bool(torch.isnan(weight).any()):
+            # quantize refuses NaN; the layer answers with NaN outputs and gradients instead
+            (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+            recipe = state.recipe
+            qxt = _nan_operand(kx, mx, recipe.quantize_options("input_columnwise"), x2d.dtype, x2d.device) \
+                if need_wgrad else None
+            qwt = _nan_operand(kw, nw, recipe.quantize_options("weight_columnwise"), weight.dtype, x2d.device) \
+                if need_dgrad else None
+            return torch.full((M, N), float("nan"), dtype=x2d.dtype, device=x2d.device), qxt, qwt
+        qx = _quantize(state, "fprop", "x", x2d, "input_rowwise")
+        qw = _quantize(state, "fprop", "w", weight, "weight")
+        qwt = _quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise") if need_dgrad else None
+        qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not state.recipe.disable_rht), "input_columnwise")
+               if need_wgrad else None)
+    return state.quantizer.matmul(qx, qw, out_dtype=x2d.dtype, bias=bias), qxt, qwt   # Fprop
+
+
+def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
+           bias_dtype: torch.dtype | None, need_dgrad: bool, need_wgrad: bool, need_dbias: bool):
+    """The backward: ``(dX [M, K] or None, dW [N, K] or None, db [N] or None)`` from dY [M, N]."""
+    M, N = dy.shape
+    dx = dw = db = None
+    if M == 0:
+        dev = dy.device
+        return (torch.zeros(0, K, dtype=x_dtype, device=dev) if need_dgrad else None,
+                torch.zeros(N, K, dtype=w_dtype, device=dev) if need_wgrad else None,
+                torch.zeros(N, dtype=bias_dtype, device=dev) if need_dbias else None)
+    recipe = state.recipe
+    pdy = None
+    if need_dgrad or need_wgrad:
+        pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
+                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, (True, True))
+    if pdy is not None:
+        qdy, qdyt = pdy
+    elif (need_dgrad or need_wgrad) and bool(torch.isnan(dy).any()):
+        nan = lambda shape, dtype: torch.full(shape, float("nan"), dtype=dtype, device=dy.device)  # noqa: E731
+        return (nan((M, K), x_dtype) if need_dgrad else None, nan((N, K), w_dtype) if need_wgrad else None,
+                nan((N,), bias_dtype) if need_dbias else None)
+    else:
+        qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise") if need_dgrad else None
+        qdyt = (_quantize(state, "wgrad", "dyt", _columnwise(dy, not recipe.disable_rht), "grad_output_columnwise")
+                if need_wgrad else None)
+    if need_dgrad:
+        dx = state.quantizer.matmul(qdy, qwt, out_dtype=x_dtype)    # Dgrad
+    if need_wgrad:
+        dw = state.quantizer.matmul(qdyt, qxt, out_dtype=w_dtype)   # Wgrad
+    if need_dbias:
+        db = dy.to(torch.float32).sum(0).to(bias_dtype)
+    return dx, dw, db
 
 
 class _NVFP4LinearFunction(torch.autograd.Function):
-    """Autograd function of :class:`NVFP4Linear`: see the module docstring for the three GEMMs.
+    """Autograd function of :class:`NVFP4Linear` in eager mode: see the module docstring for the
+    three GEMMs (:func:`_fprop`, :func:`_bprop`; under ``torch.compile`` the custom ops
+    ``nvfp4lab::linear_fprop`` / ``linear_bprop`` run the same two functions).
 
     Two paths with the same numerics. With a quantizer whose ``quantize_pair`` accepts the
     operands (the Triton kernels), each of X, W and dY is read once for both of its copies and
@@ -282,118 +390,156 @@ class _NVFP4LinearFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, bias, state: _LayerState, grad_enabled: bool):  # type: ignore[override]
-        N, K = weight.shape
-        x2d = x.reshape(-1, K)
-        out_shape = (*x.shape[:-1], N)
+        K = weight.shape[1]
         ctx.state = state
-        ctx.x_shape, ctx.x_dtype = x.shape, x.dtype
-        ctx.w_dtype = weight.dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
-        ctx.nan_input = False
-        if x2d.shape[0] == 0:
-            return _nan_filled(out_shape, False, x.dtype, x.device)
-
-        recipe = state.recipe
         # needs_input_grad is set even under no_grad: skip the backward copies when not training.
-        need_dgrad = grad_enabled and ctx.needs_input_grad[0]
-        need_wgrad = grad_enabled and ctx.needs_input_grad[1]
         with torch.autocast(device_type=x.device.type, enabled=False):
-            # values for the Fprop operands only: the columnwise copies wait for the backward packed
-            px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
-                                ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False))
-            pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
-                                ("dgrad", "wt", "weight_columnwise") if need_dgrad else None,
-                                (True, False)) if px else None
-            ctx.fast = px is not None and pw is not None
-            if ctx.fast:
-                (qx, ctx.qxt), (qw, ctx.qwt) = px, pw
-            else:
-                ctx.nan_input = bool(torch.isnan(x2d).any()) or bool(torch.isnan(weight).any())
-                if ctx.nan_input:
-                    return _nan_filled(out_shape, True, x.dtype, x.device)
-                qx = _quantize(state, "fprop", "x", x2d, "input_rowwise")
-                qw = _quantize(state, "fprop", "w", weight, "weight")
-                # The copies the backward GEMMs need, quantized now as TE does in its forward.
-                ctx.qwt = (_quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise")
-                           if need_dgrad else None)
-                ctx.qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not recipe.disable_rht),
-                                     "input_columnwise")
-                           if need_wgrad else None)
-            y = state.quantizer.matmul(qx, qw, out_dtype=x.dtype, bias=bias)   # Fprop [M, N]
-        return y.reshape(out_shape)
+            y, ctx.qxt, ctx.qwt = _fprop(state, x.reshape(-1, K), weight, bias,
+                                         grad_enabled and ctx.needs_input_grad[0],
+                                         grad_enabled and ctx.needs_input_grad[1])
+        return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
-        state: _LayerState = ctx.state
-        recipe = state.recipe
-        M = 1
-        for d in ctx.x_shape[:-1]:
-            M *= d
         K = ctx.x_shape[-1]
-        dy = grad_out.reshape(M, -1)
-        N = dy.shape[1]
-        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[0], ctx.needs_input_grad[1], \
-            ctx.needs_input_grad[2]
-        dx = dw = db = None
-        dev = grad_out.device
-        nan = ctx.nan_input or (not ctx.fast and M > 0 and bool(torch.isnan(dy).any()))
-        if nan or M == 0:
-            if need_dgrad:
-                dx = _nan_filled(ctx.x_shape, nan, ctx.x_dtype, dev)
-            if need_wgrad:
-                dw = _nan_filled((N, K), nan, ctx.w_dtype, dev)
-            if need_dbias:
-                db = _nan_filled((N,), nan, ctx.bias_dtype, dev)
-            return dx, dw, db, None, None
-        with torch.autocast(device_type=dev.type, enabled=False):
-            pdy = None
-            if ctx.fast and (need_dgrad or need_wgrad):
-                pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
-                                     ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None,
-                                     (True, True))
-            if pdy is not None:
-                qdy, qdyt = pdy
-            else:
-                qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise") if need_dgrad else None
-                qdyt = (_quantize(state, "wgrad", "dyt", _columnwise(dy, not recipe.disable_rht),
-                                  "grad_output_columnwise") if need_wgrad else None)
-            if need_dgrad:
-                dx = state.quantizer.matmul(qdy, ctx.qwt, out_dtype=ctx.x_dtype).reshape(ctx.x_shape)  # Dgrad
-            if need_wgrad:
-                dw = state.quantizer.matmul(qdyt, ctx.qxt, out_dtype=ctx.w_dtype)                     # Wgrad
-            if need_dbias:
-                db = dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
+        with torch.autocast(device_type=grad_out.device.type, enabled=False):
+            dx, dw, db = _bprop(ctx.state, grad_out.reshape(-1, grad_out.shape[-1]), ctx.qxt, ctx.qwt, K,
+                                ctx.x_dtype, ctx.w_dtype, ctx.bias_dtype, *ctx.needs_input_grad[:3])
         ctx.qwt = ctx.qxt = None
-        return dx, dw, db, None, None
+        return (None if dx is None else dx.reshape(ctx.x_shape)), dw, db, None, None
+
+
+# ----------------------------------------------------------------------------- torch.compile
+# Under torch.compile the layer is two custom ops, opaque to Dynamo (no graph break, no tracing
+# into the Triton kernels) and running _fprop / _bprop: the eager numerics. The saved Xᵀ/Wᵀ copies
+# travel as plain tensors (codes, scales, amax); the layer's state (recipe, quantizer, SR stream)
+# is found from an integer key.
+def _saved_meta(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool, need_wgrad: bool, device):
+    """(shape, dtype) of the six saved tensors: Xᵀ codes, scales, amax, then Wᵀ's (empty when not needed)."""
+    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+    out = []
+    for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
+                                     (need_dgrad and M > 0, (kw, nw), "weight_columnwise")):
+        if need:
+            srows = -(-rows // 16) if state.recipe.quantize_options(role)["block"] == "2d" else rows
+            out += [((rows, -(-cols // 2)), torch.uint8), ((srows, -(-cols // 16)), torch.float8_e4m3fn),
+                    ((), torch.float32)]
+        else:
+            out += [((0,), torch.uint8), ((0,), torch.float8_e4m3fn), ((0,), torch.float32)]
+    return out
+
+
+@torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
+def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
+                     need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    state = _STATES[key]
+    with torch.autocast(device_type=x2d.device.type, enabled=False):
+        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
+    meta = _saved_meta(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad, x2d.device)
+    saved = []
+    for q, shapes in ((qxt, meta[:3]), (qwt, meta[3:])):
+        # the amaxes are views into one small buffer of the kernels: a custom op's outputs must
+        # neither alias each other nor be offset views (Inductor checks alignment), so clone them
+        saved += ([q.data, q.scale, q.amax.clone()] if q is not None else
+                  [torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in shapes])
+    return (y, *saved)
+
+
+@_linear_fprop_op.register_fake
+def _(x2d, weight, bias, key, need_dgrad, need_wgrad):
+    state = _STATES[key]
+    meta = _saved_meta(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad, x2d.device)
+    return (x2d.new_empty((x2d.shape[0], weight.shape[0])),
+            *(torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in meta))
+
+
+def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> NVFP4Tensor | None:
+    if data.numel() == 0 and amax.dim() == 1:
+        return None
+    opts = state.recipe.quantize_options(role)
+    return NVFP4Tensor(data=data, scale=scale, amax=amax, shape=torch.Size(shape), block=opts["block"], dtype=dtype,
+                       rht=opts["rht"], rounding=opts["rounding"],
+                       rht_signs=torch.as_tensor(opts.get("rht_signs", WGRAD_SIGNS), dtype=torch.float32)
+                       if opts["rht"] else None)
+
+
+@torch.library.custom_op("nvfp4lab::linear_bprop", mutates_args=())
+def _linear_bprop_op(dy: torch.Tensor, xt_data: torch.Tensor, xt_scale: torch.Tensor, xt_amax: torch.Tensor,
+                     wt_data: torch.Tensor, wt_scale: torch.Tensor, wt_amax: torch.Tensor, key: int, K: int,
+                     x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype, need_dgrad: bool,
+                     need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    state = _STATES[key]
+    M, N = dy.shape
+    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+    qxt = _unflat(state, xt_data, xt_scale, xt_amax, "input_columnwise", (kx, mx), x_dtype)
+    qwt = _unflat(state, wt_data, wt_scale, wt_amax, "weight_columnwise", (kw, nw), w_dtype)
+    with torch.autocast(device_type=dy.device.type, enabled=False):
+        dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias)
+    empty = lambda dtype: torch.empty(0, dtype=dtype, device=dy.device)  # noqa: E731
+    return (dx if dx is not None else empty(x_dtype), dw if dw is not None else empty(w_dtype),
+            db if db is not None else empty(bias_dtype))
+
+
+@_linear_bprop_op.register_fake
+def _(dy, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax, key, K, x_dtype, w_dtype, bias_dtype,
+      need_dgrad, need_wgrad, need_dbias):
+    M, N = dy.shape
+    dev = dy.device
+    return (torch.empty((M, K) if need_dgrad else (0,), dtype=x_dtype, device=dev),
+            torch.empty((N, K) if need_wgrad else (0,), dtype=w_dtype, device=dev),
+            torch.empty((N,) if need_dbias else (0,), dtype=bias_dtype, device=dev))
+
+
+def _fprop_setup_context(ctx, inputs, output):
+    x2d, weight, bias, key, need_dgrad, need_wgrad = inputs
+    ctx.save_for_backward(*output[1:])
+    ctx.key, ctx.K = key, x2d.shape[1]
+    ctx.dtypes = (x2d.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
+
+
+def _fprop_backward(ctx, gy, *_saved_grads):
+    need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
+    dx, dw, db = torch.ops.nvfp4lab.linear_bprop(gy, *ctx.saved_tensors, ctx.key, ctx.K, *ctx.dtypes,
+                                                 need_dgrad, need_wgrad, need_dbias)
+    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_dbias else None, None, None, None)
+
+
+torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context)
 
 
 # ----------------------------------------------------------------------------- the module
 class NVFP4Linear(nn.Linear):
     """Drop-in ``nn.Linear`` (bias supported) whose Fprop, Dgrad and Wgrad GEMMs are emulated NVFP4.
 
-    Parameters
-    ----------
-    in_features, out_features, bias, device, dtype : as ``nn.Linear``.
-    recipe : :class:`~nvfp4lab.recipe.NVFP4Recipe` (default: TE's defaults, RHT + SR + 2D).
-    generator : ``torch.Generator`` for stochastic rounding of gradients, on the device of the
-        activations. Default: one per device seeded with ``seed`` (lazily created). Give every
-        layer the same generator, seeded from the training seed, and save its state in
-        checkpoints, for bit-identical resumes (what :func:`nvfp4lab.train` does).
-    seed : seed of the default generator (ignored when ``generator`` is given).
-    quantizer : a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
-    name : label used in :class:`GemmOperand` records.
-
     Input ``[..., in_features]`` of a floating dtype; output ``[..., out_features]`` in the input's
     dtype (the autocast dtype under ``torch.autocast``). ``quantize_enabled = False`` makes the
-    layer a plain ``nn.Linear`` (the BF16 cooldown of the paper's appendix).
+    layer a plain ``nn.Linear`` (the BF16 cooldown of the paper's appendix D).
 
-    Raises ``ValueError`` if the input's last dimension is not ``in_features`` and ``TypeError``
-    for a non-floating input.
+    Args:
+        in_features, out_features, bias, device, dtype: as ``nn.Linear``.
+        recipe: :class:`~nvfp4lab.recipe.NVFP4Recipe` (default: TE's defaults, RHT + SR + 2D).
+        generator: the random source of stochastic rounding of gradients, on the device of the
+            activations: an :class:`~nvfp4lab.rounding.SRStream` (capturable in CUDA graphs with
+            no registration) or a ``torch.Generator``. Default: an ``SRStream`` per device seeded
+            with ``seed`` (lazily created). Give every layer the same stream, seeded from the
+            training seed, and save its state in checkpoints, for bit-identical resumes (what
+            :func:`nvfp4lab.train` does).
+        seed: seed of the default stream (ignored when ``generator`` is given).
+        quantizer: a :class:`GemmQuantizer`; default :class:`NVFP4GemmQuantizer`.
+        name: label used in :class:`GemmOperand` records.
+
+    Raises:
+        ValueError: the input's last dimension is not ``in_features``.
+        TypeError: a non-floating input.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
                  dtype=None, *, recipe: NVFP4Recipe | None = None,
-                 generator: torch.Generator | None = None, seed: int = 0,
+                 generator: "torch.Generator | SRStream | None" = None, seed: int = 0,
                  quantizer: GemmQuantizer | None = None, name: str = "") -> None:
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(recipe, generator, seed, quantizer, name)
@@ -409,7 +555,7 @@ class NVFP4Linear(nn.Linear):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, recipe: NVFP4Recipe | None = None,
-                    generator: torch.Generator | None = None, seed: int = 0,
+                    generator: "torch.Generator | SRStream | None" = None, seed: int = 0,
                     quantizer: GemmQuantizer | None = None, name: str = "") -> "NVFP4Linear":
         """Wrap an existing ``nn.Linear``, sharing (not copying) its ``weight`` and ``bias``."""
         new = cls.__new__(cls)
@@ -431,11 +577,11 @@ class NVFP4Linear(nn.Linear):
         self._state.recipe = value
 
     @property
-    def generator(self) -> torch.Generator | None:
+    def generator(self) -> "torch.Generator | SRStream | None":
         return self._state.generator
 
     @generator.setter
-    def generator(self, value: torch.Generator | None) -> None:
+    def generator(self, value: "torch.Generator | SRStream | None") -> None:
         self._state.generator = value
 
     @property
@@ -464,6 +610,12 @@ class NVFP4Linear(nn.Linear):
             return F.linear(x, self.weight, self.bias)
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
+        if torch.compiler.is_compiling():  # the custom ops: one opaque node for Dynamo, same numerics
+            grad = torch.is_grad_enabled()
+            y = torch.ops.nvfp4lab.linear_fprop(x.reshape(-1, self.in_features), self.weight, self.bias,
+                                                self._state.key, grad and x.requires_grad,
+                                                grad and self.weight.requires_grad)[0]
+            return y.reshape(*x.shape[:-1], self.out_features)
         return _NVFP4LinearFunction.apply(x, self.weight, self.bias, self._state, torch.is_grad_enabled())
 
     def extra_repr(self) -> str:
@@ -512,38 +664,50 @@ def block_recipe_for(precision: str, data: Any = None) -> Any:
 
 
 def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None = None, *,
-                  fp8_recipe: FP8Recipe | None = None, generator: torch.Generator | None = None,
+                  fp8_recipe: FP8Recipe | None = None, generator: "torch.Generator | SRStream | None" = None,
                   seed: int = 0, quantizer: GemmQuantizer | None = None,
                   block_pattern: str = DEFAULT_BLOCK_PATTERN, block_recipe: Any = None) -> nn.Module:
     """Swap the chosen ``nn.Linear`` layers of ``model`` (in place) for the given precision.
 
-    precision :
-        ``"fp32"`` / ``"bf16"``: nothing is swapped (BF16 is the trainer's autocast).
-        ``"nvfp4"``: linear layers inside transformer blocks become :class:`NVFP4Linear`, except
-        those in the recipe's first ``bf16_first_layers`` and last ``bf16_last_layers`` blocks;
-        linear layers outside the blocks (the LM head) only if ``recipe.quantize_lm_head``.
-        ``"fp8"`` / ``"fp8-current"``: every linear layer inside the blocks becomes an
-        :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes quantize every ``te.Linear``; the head,
-        plain torch in a TE model, stays high precision). ``recipe`` is ignored.
-        ``"fp8-delayed"``, ``"fp8-block"``, ``"mxfp8"``, ``"mxfp4"``: the same layers become the
-        :data:`EMULATED_LAYERS` class (:class:`~nvfp4lab.fp8_recipes.DelayedScalingLinear`,
-        :class:`~nvfp4lab.fp8_recipes.FP8BlockLinear`, :class:`~nvfp4lab.mx.MXFP8Linear`,
-        :class:`~nvfp4lab.mx.MXFP4Linear`) with ``block_recipe`` (default: that class's recipe
-        defaults; a recipe of another class raises ``ValueError``). MX formats need every quantized
-        layer's feature sizes to be multiples of 32 (``ValueError`` naming the layer and size).
-    recipe : the NVFP4 recipe (default ``NVFP4Recipe()``).
-    generator, seed : SR generator shared by all NVFP4 layers. Default: each layer lazily creates
-        its own generator on the activations' device, seeded with ``seed + i`` for the i-th linear
-        layer of the model (distinct, reproducible streams; see :class:`NVFP4Linear`).
-    block_pattern : regex whose group 1 is the block index in a module name.
-
     Parameters are shared with the original layers, so weight tying survives and the
     ``state_dict`` keys do not change: checkpoints are interchangeable across precisions.
     Layers that are already NVFP4/FP8 are converted back to their high-precision view first.
+    Which layers are quantized is :func:`nvfp4lab.recipe.layer_is_quantized`.
 
-    Raises ``ValueError`` for an unknown precision, a model without numbered blocks (for
-    fp8/nvfp4), or a recipe whose layer selection does not fit the model
-    (:meth:`NVFP4Recipe.check_num_blocks`).
+    Args:
+        model: the model, changed in place and returned.
+        precision: ``"fp32"`` / ``"bf16"``: nothing is swapped (BF16 is the trainer's autocast).
+            ``"nvfp4"``: linear layers inside transformer blocks become :class:`NVFP4Linear`,
+            except those in the recipe's first ``bf16_first_layers`` and last
+            ``bf16_last_layers`` blocks; linear layers outside the blocks (the LM head) only if
+            ``recipe.quantize_lm_head``. ``"fp8"`` / ``"fp8-current"``: every linear layer
+            inside the blocks becomes an :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes
+            quantize every ``te.Linear``; the head, plain torch in a TE model, stays high
+            precision); ``recipe`` is ignored. ``"fp8-delayed"``, ``"fp8-block"``, ``"mxfp8"``,
+            ``"mxfp4"``: the same layers become the :data:`EMULATED_LAYERS` class
+            (:class:`~nvfp4lab.fp8_recipes.DelayedScalingLinear`,
+            :class:`~nvfp4lab.fp8_recipes.FP8BlockLinear`, :class:`~nvfp4lab.mx.MXFP8Linear`,
+            :class:`~nvfp4lab.mx.MXFP4Linear`) with ``block_recipe``.
+        recipe: the NVFP4 recipe (default ``NVFP4Recipe()``).
+        fp8_recipe: the FP8 current-scaling recipe (default ``FP8Recipe()``).
+        generator, seed: SR generator shared by all NVFP4 layers. Default: each layer lazily
+            creates its own generator on the activations' device, seeded with ``seed + i`` for
+            the i-th linear layer of the model (distinct, reproducible streams).
+        quantizer: the :class:`GemmQuantizer` of every NVFP4 layer (default
+            :class:`NVFP4GemmQuantizer`).
+        block_pattern: regex whose group 1 is the block index in a module name.
+        block_recipe: the recipe of fp8-delayed / fp8-block / mxfp8 / mxfp4 (default: that
+            precision's recipe class with TE's defaults; see :func:`block_recipe_for`).
+
+    Returns:
+        ``model``.
+
+    Raises:
+        ValueError: an unknown precision, a model without numbered blocks (for the quantized
+            precisions), a recipe whose layer selection does not fit the model
+            (:meth:`NVFP4Recipe.check_num_blocks`), a ``block_recipe`` of another class, or (MX
+            formats) a quantized layer whose feature sizes are not multiples of 32 (the message
+            names the layer and the size).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")

@@ -38,22 +38,26 @@ __all__ = ["GPTConfig", "GPT", "PRESETS", "get_preset"]
 class GPTConfig:
     """Shape of a :class:`GPT`.
 
-    vocab_size : tokens in the vocabulary (256 for the byte tokenizer).
-    block_size : maximum sequence length (size of the position embedding).
-    n_layer, n_head, n_embd : blocks, attention heads, model width (``n_embd % n_head == 0``).
-    mlp_ratio : hidden width of the MLP is ``mlp_ratio * n_embd``.
-    bias : biases in the linear layers and LayerNorms (default False, as modern LLMs).
-    tie_weights : share ``lm_head.weight`` with ``wte.weight``.
-    dropout : dropout probability (0 by default: deterministic and the runs are short).
-    attn_precision : "fp32" (default) runs the attention core (``softmax(QK^T)V``) in FP32 even
-        under BF16 autocast; "autocast" lets autocast run it in BF16. Both are "high precision"
-        in the paper's sense. FP32 is the default because torch's CPU BF16 SDPA is ~5x slower
-        than FP32 (its backward especially); the choice is the same in every run of a
-        comparison, so it does not favour any precision of the linear layers. The
-        ``gpt2-small`` (GPU) preset uses "autocast" (BF16 flash attention, as the paper).
-
-    Raises ``ValueError`` for non-positive sizes or ``n_embd`` not divisible by ``n_head``.
     For NVFP4 every linear dimension should be a multiple of 16 (16-element blocks).
+
+    Attributes:
+        vocab_size: tokens in the vocabulary (256 for the byte tokenizer).
+        block_size: maximum sequence length (size of the position embedding).
+        n_layer, n_head, n_embd: blocks, attention heads, model width (``n_embd % n_head == 0``).
+        mlp_ratio: hidden width of the MLP is ``mlp_ratio * n_embd``.
+        bias: biases in the linear layers and LayerNorms (default False, as modern LLMs).
+        tie_weights: share ``lm_head.weight`` with ``wte.weight``.
+        dropout: dropout probability (0 by default: deterministic and the runs are short).
+        attn_precision: ``"fp32"`` (default) runs the attention core (``softmax(QK^T)V``) in FP32
+            even under BF16 autocast; ``"autocast"`` lets autocast run it in BF16. Both are "high
+            precision" in the paper's sense. FP32 is the default because torch's CPU BF16 SDPA
+            is several times slower than FP32 (its backward especially); the choice is the same
+            in every run of a comparison, so it does not favour any precision of the linear
+            layers. The ``gpt2-small`` (GPU) preset uses ``"autocast"`` (BF16 flash attention,
+            as the paper).
+
+    Raises:
+        ValueError: non-positive sizes or ``n_embd`` not divisible by ``n_head``.
     """
 
     vocab_size: int = 256
@@ -169,6 +173,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """The block's feed-forward layer: ``proj(gelu(fc(x)))``, hidden width ``mlp_ratio * n_embd``."""
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.fc = nn.Linear(cfg.n_embd, cfg.mlp_ratio * cfg.n_embd, bias=cfg.bias)

@@ -41,18 +41,18 @@ import argparse
 import math
 from dataclasses import dataclass, fields
 
+from nvfp4lab.hardware import GPUS as HARDWARE_GPUS
 from nvfp4lab.precisions import canonical_name
 from nvfp4lab.recipe import NVFP4Recipe
 
 __all__ = ["ModelShape", "MODEL_SHAPES", "GPUS", "MemoryPlan", "plan", "format_plan", "register",
            "weight_copy_bytes", "QUANTIZED_PRECISIONS", "SHARDINGS"]
 
-#: GPU memory in bytes, from NVIDIA's datasheets (H100 SXM 80 GB, H200 141 GB, DGX B200: 192 GB
-#: per GPU; decimal gigabytes as the datasheets print them).
+#: GPU memory in bytes per GPU, keyed by a CLI name: the ``memory_gb`` of :mod:`nvfp4lab.hardware`'s rows
+#: (NVIDIA's datasheets, decimal gigabytes as they print them; each row there names its source).
 GPUS: dict[str, tuple[str, int]] = {
-    "h100": ("H100 80GB", 80 * 10**9),
-    "h200": ("H200 141GB", 141 * 10**9),
-    "b200": ("B200 192GB", 192 * 10**9),
+    _g.name.lower().replace(" sxm", ""): (f"{_g.name} {_g.memory_gb:.0f}GB", int(_g.memory_gb * 10**9))
+    for _g in HARDWARE_GPUS
 }
 
 #: Precisions with quantized weight copies (names from :mod:`nvfp4lab.precisions`).

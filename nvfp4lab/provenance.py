@@ -170,6 +170,15 @@ def software_versions() -> dict[str, Any]:
     )
 
 
+def package_version() -> str:
+    """nvfp4lab's version from the installed distribution's metadata (``pyproject.toml``), or
+    ``"0+unknown"`` when the package runs from a source tree without being installed."""
+    try:
+        return importlib.metadata.version("nvfp4lab")
+    except importlib.metadata.PackageNotFoundError:
+        return "0+unknown"
+
+
 def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     """The environment block of a result file: versions, device, git commit and date.
 
@@ -189,14 +198,12 @@ def environment(device: torch.device | str | None = None) -> dict[str, Any]:
     device = torch.device(device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise ValueError(f"environment({str(device)!r}): CUDA is not available on this machine")
-    from . import __version__
-
     env: dict[str, Any] = dict.fromkeys(ENVIRONMENT_KEYS)
     env.update(
         schema=SCHEMA,
         date_utc=utc_now(),
         git_commit=git_commit(),
-        nvfp4lab=__version__,
+        nvfp4lab=package_version(),
         **software_versions(),
         device_type=device.type,
         device_count=torch.cuda.device_count() if torch.cuda.is_available() else 0,

@@ -55,13 +55,16 @@ from .formats import (
     to_e4m3,
     unpack_fp4,
 )
+from . import kernels
 from .hadamard import RHT_SIZE, WGRAD_SIGNS, inverse_random_hadamard_transform, random_hadamard_transform
-from .rounding import sr_codes
+from .rounding import SRStream, sr_codes
 
 __all__ = [
     "BLOCK_SIZE",
     "NVFP4Tensor",
     "quantize",
+    "quantize_rowwise_columnwise",
+    "uses_kernels",
     "fake_quantize",
     "nvfp4_matmul",
     "global_encode_scale",
@@ -161,7 +164,7 @@ class NVFP4Tensor:
         rounding: ``"nearest"`` or ``"stochastic"``.
         values_bf16: optional ``bfloat16 [M, K]`` cache of the block values ``code × block
             scale`` (:meth:`block_values`, exact in BF16), written by the Triton kernels for
-            the emulated GEMM when asked (:func:`nvfp4lab.kernels.fused_quantize_rowwise_columnwise`);
+            the emulated GEMM when asked (:func:`quantize_rowwise_columnwise`);
             ``None`` otherwise. Not part of the format: it only saves a decode pass.
     """
 
@@ -231,8 +234,14 @@ class NVFP4Tensor:
 
         Each product has at most 5 significant bits and lies in ``[2^-10, 2688]``,
         so it is exact in BF16, FP16 (normal range permitting) and FP32: the
-        operand a real NVFP4 tensor core multiplies.
+        operand a real NVFP4 tensor core multiplies. BF16 comes from the Triton kernels where
+        they run (or from :attr:`values_bf16` when the quantize kernel wrote it), bit-identical.
         """
+        if dtype == torch.bfloat16:
+            if self.values_bf16 is not None:
+                return self.values_bf16
+            if kernels.covers_decode(self.data, self.rows, self.cols, 0):
+                return kernels.block_values(self.data, self.scale, self.rows, self.cols, block2d=self.block == "2d")
         vals = decode_e2m1(self.codes()) * self._per_element(self.scale.float())
         return vals.to(dtype)
 
@@ -251,13 +260,16 @@ class NVFP4Tensor:
                 emulation wants this: the rotation cancels between its operands).
         """
         dtype = dtype or torch.float32
+        undo = self.rht and undo_rht
+        mask = kernels.sign_mask(self.rht_signs) if undo else None
+        if dtype == torch.bfloat16 and kernels.covers_decode(self.data, self.rows, self.cols, mask if undo else 0):
+            return kernels.dequantize(self.data, self.scale, self.amax, self.rows, self.cols,
+                                      block2d=self.block == "2d", undo_rht_mask=mask).reshape(self.shape)
         sf = self.scale.float()
-        if bool(torch.isfinite(self.amax)):
-            d = (sf * self.amax) * torch.reciprocal(_f32(GLOBAL_SCALE_NUMERATOR, self.device))
-        else:
-            d = sf
+        scaled = (sf * self.amax) * torch.reciprocal(_f32(GLOBAL_SCALE_NUMERATOR, self.device))
+        d = torch.where(torch.isfinite(self.amax), scaled, sf)  # no host read: capturable
         x = decode_e2m1(self.codes()) * self._per_element(d)
-        if self.rht and undo_rht:
+        if undo:
             x = inverse_random_hadamard_transform(x, signs=self.rht_signs)
         return x.to(dtype).reshape(self.shape)
 
@@ -268,27 +280,54 @@ class NVFP4Tensor:
         )
 
 
-def _validate_amax(amax, device) -> torch.Tensor:
-    a = torch.as_tensor(amax, dtype=torch.float32).to(device)
-    if a.numel() != 1:
-        raise ValueError(f"amax must be a single value, got shape {tuple(a.shape)}")
-    a = a.reshape(())
-    if bool(torch.isnan(a)) or bool(a < 0):
-        raise ValueError(f"amax must be a non-negative number, got {float(a)}")
+def _amax_argument(amax, device, check: bool) -> torch.Tensor:
+    """The caller's ``amax`` as a 0-d float32 tensor on ``device`` (validated without a host read
+    for Python numbers; tensors are read only when ``check``)."""
+    if isinstance(amax, torch.Tensor):
+        if amax.numel() != 1:
+            raise ValueError(f"amax must be a single value, got shape {tuple(amax.shape)}")
+        a = amax.detach().to(device=device, dtype=torch.float32).reshape(())
+        value = float(a) if check else 0.0
+    else:
+        try:
+            value = float(amax)
+        except (TypeError, ValueError):
+            raise TypeError(f"amax must be a number or a one-element tensor, got {type(amax).__name__}") from None
+        a = torch.full((), value, dtype=torch.float32, device=device)  # a fill kernel: capturable
+    if math.isnan(value) or value < 0:
+        raise ValueError(f"amax must be a non-negative number, got {value}")
     return a
 
 
-def _check_input_values(x2: torch.Tensor) -> None:
-    """Raise on NaN and warn on ±Inf in ``x2``, from one min/max reduction and one host read.
+def _capturing() -> bool:
+    """True while a CUDA graph is being captured or ``torch.compile`` traces: no host reads then."""
+    if torch.compiler.is_compiling():
+        return True
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
-    ``torch.aminmax`` propagates NaN, so the reduction is NaN exactly when ``x2`` holds one;
-    with no NaN, an infinite extreme means ±Inf is present.
+
+def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht: bool) -> None:
+    """Raise on NaN and warn on ±Inf in ``x2`` [M, K].
+
+    The computed amax (``max |x|``, post-RHT with the RHT) propagates NaN and is infinite when
+    ``x2`` holds ±Inf, so one scalar read answers both (an infinite post-RHT amax is confirmed on
+    ``x2``: the transform of values near float32's max overflows); a caller-given amax says
+    nothing about ``x2``, which one ``torch.aminmax`` pass then checks.
     """
-    lo, hi = torch.aminmax(x2)
-    lo, hi = float(lo), float(hi)
-    if math.isnan(lo) or math.isnan(hi):
+    if amax_given:
+        lo, hi = (float(v) for v in torch.aminmax(x2))
+        has_nan, has_inf = math.isnan(lo) or math.isnan(hi), math.isinf(lo) or math.isinf(hi)
+    else:
+        a = float(amax_t.detach())
+        has_nan, has_inf = math.isnan(a), math.isinf(a)
+        if has_inf and rht:  # the RHT of values near float32's max can overflow: was it an Inf?
+            has_inf = bool(torch.isinf(x2).any())
+    if has_nan:
         check_no_nan(x2, "quantize input")   # raises, with the one NaN message
-    if math.isinf(lo) or math.isinf(hi):
+        raise ValueError(
+            "quantize: the random Hadamard transform of an input holding both +Inf and -Inf gave NaN; "
+            "remove the Inf or pass amax=")
+    if has_inf:
         warnings.warn(
             "quantize input contains ±Inf: the per-tensor amax is inf, so the global encode scale "
             "falls back to 1; the Inf's block decodes to 0 except the Inf itself (±2688) and the "
@@ -297,15 +336,50 @@ def _check_input_values(x2: torch.Tensor) -> None:
         )
 
 
+def _check_options(x: torch.Tensor, block: str, rounding: str, rht: bool) -> None:
+    check_float_tensor(x)
+    if block not in ("1d", "2d"):
+        raise ValueError(f"block must be '1d' (1x16 blocks) or '2d' (16x16 tiles), got {block!r}")
+    if rounding not in ("nearest", "stochastic"):
+        raise ValueError(f"rounding must be 'nearest' (RNE) or 'stochastic' (SR), got {rounding!r}")
+    if x.dim() == 0:
+        raise ValueError("quantize needs at least a 1-D tensor (NVFP4 quantizes along the last dimension)")
+    if block == "2d" and x.dim() < 2:
+        raise ValueError(f"block='2d' needs a tensor with at least 2 dimensions (16x16 tiles), got shape {tuple(x.shape)}")
+    if rht and x.shape[-1] % RHT_SIZE:
+        raise ValueError(
+            f"rht=True needs the quantized (last) dimension to be a multiple of {RHT_SIZE}; got {x.shape[-1]}. "
+            "TE applies the RHT along the token axis in chunks of 16 and requires tokens % 16 == 0"
+        )
+
+
+def _signs(rht_signs) -> torch.Tensor | None:
+    return None if rht_signs is None else torch.as_tensor(rht_signs, dtype=torch.float32)
+
+
+def uses_kernels(x: torch.Tensor, *, block: Block = "1d", rht: bool = False, rounding: Rounding = "nearest",
+                 rht_signs: torch.Tensor | None = WGRAD_SIGNS, **_ignored) -> bool:
+    """Whether :func:`quantize` with these options runs the Triton kernels (else the reference).
+
+    True on a device the kernels run on (CUDA with Triton; CPU only in Triton's interpreter)
+    for float32/bfloat16/float16 inputs, except an RHT on float16 or with signs that are not
+    16 values of ±1 (see :func:`nvfp4lab.kernels.covers_quantize`). Takes (and ignores) the
+    other keyword options of :func:`quantize`, so ``uses_kernels(x, **options)`` works.
+    """
+    mask = kernels.sign_mask(_signs(rht_signs)) if rht else 0
+    return kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask)
+
+
 def quantize(
     x: torch.Tensor,
     *,
     block: Block = "1d",
     rht: bool = False,
     rounding: Rounding = "nearest",
-    generator: torch.Generator | None = None,
+    generator: "torch.Generator | SRStream | None" = None,
     amax: torch.Tensor | float | None = None,
     rht_signs: torch.Tensor | None = WGRAD_SIGNS,
+    check: bool = True,
 ) -> NVFP4Tensor:
     """Quantize ``x`` to NVFP4 along its last dimension, bit-exact with TE 2.20's reference.
 
@@ -323,14 +397,23 @@ def quantize(
             :mod:`nvfp4lab.hadamard`). The amax is then the post-RHT amax.
         rounding: ``"nearest"`` (RNE) or ``"stochastic"`` (SR, TE's gradients).
             Scales and amax are the same for both.
-        generator: ``torch.Generator`` for SR (``None``: torch's default generator).
+        generator: the SR random source: a ``torch.Generator``, an
+            :class:`~nvfp4lab.rounding.SRStream` (state on the device; capturable) or ``None``
+            (torch's default generator).
         amax: precomputed per-tensor amax (delayed or fused scaling). Elements
             above it saturate to ±6·block scale. Default: ``max |x|`` (post-RHT if ``rht``).
         rht_signs: the RHT's 16 signs (default TE's fixed Wgrad vector).
+        check: raise on NaN and warn on ±Inf, from the amax the quantization computes anyway
+            (one host read of one scalar; with ``amax=`` given, one min/max pass over ``x``
+            instead). ``False`` skips it, so the call never synchronises with the device; it is
+            skipped on its own while a CUDA graph is being captured and under ``torch.compile``,
+            where a host read is impossible. Unchecked, a NaN input gives a NaN amax, and every
+            GEMM output using the tensor is NaN.
 
     On CUDA the work goes to the Triton kernels of :mod:`nvfp4lab.kernels` when
-    Triton is installed (RNE results bit-identical to this reference path; set
-    ``NVFP4LAB_DISABLE_KERNELS=1`` to compare); elsewhere the PyTorch code below runs.
+    Triton is installed and they cover the options (:func:`uses_kernels`; RNE results
+    bit-identical to this reference path; set ``NVFP4LAB_DISABLE_KERNELS=1`` to compare);
+    elsewhere the PyTorch code below runs. This function is the one place that decides.
 
     Returns:
         :class:`NVFP4Tensor`. Shapes whose dimensions are not multiples of 16 are
@@ -342,7 +425,9 @@ def quantize(
         ValueError: NaN in ``x`` (it would show as a NaN amax; NVFP4 cannot encode
             it and TE's reference would silently emit code 0), a 0-d input,
             ``block="2d"`` on a 1-D tensor, an unknown ``block`` / ``rounding``,
-            ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax``.
+            ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax`` (a tensor
+            ``amax`` is read only when ``check``).
+        TypeError: ``amax`` is neither a number nor a one-element tensor.
 
     Warns:
         RuntimeWarning: ``x`` holds ±Inf (once per calling line, Python's default filter).
@@ -360,61 +445,53 @@ def quantize(
     may give code 8). Source: TE
     ``custom_recipes/reference_nvfp4.py``.
     """
-    check_float_tensor(x)
-    if block not in ("1d", "2d"):
-        raise ValueError(f"block must be '1d' (1x16 blocks) or '2d' (16x16 tiles), got {block!r}")
-    if rounding not in ("nearest", "stochastic"):
-        raise ValueError(f"rounding must be 'nearest' (RNE) or 'stochastic' (SR), got {rounding!r}")
-    if x.dim() == 0:
-        raise ValueError("quantize needs at least a 1-D tensor (NVFP4 quantizes along the last dimension)")
-    if block == "2d" and x.dim() < 2:
-        raise ValueError(f"block='2d' needs a tensor with at least 2 dimensions (16x16 tiles), got shape {tuple(x.shape)}")
-    K = x.shape[-1]
-    if rht and K % RHT_SIZE:
-        raise ValueError(
-            f"rht=True needs the quantized (last) dimension to be a multiple of {RHT_SIZE}; got {K}. "
-            "TE applies the RHT along the token axis in chunks of 16 and requires tokens % 16 == 0"
-        )
-    signs = None if rht_signs is None else torch.as_tensor(rht_signs, dtype=torch.float32)
+    _check_options(x, block, rounding, rht)
+    signs = _signs(rht_signs)
     shape = x.shape
+    K = shape[-1]
     M = math.prod(shape[:-1])
-    x2 = x.reshape(M, K)
     device = x.device
-    if x2.numel():
-        _check_input_values(x2)
-    if x.is_cuda and x2.numel():
-        # Fast path: Triton kernels, bit-identical for RNE (nvfp4lab.kernels); None if n/a.
-        from . import kernels
+    check = check and not _capturing()
+    amax_in = None if amax is None else _amax_argument(amax, device, check)
 
-        fast = kernels.quantize_fast(
-            x, block=block, rht=rht, rounding=rounding, generator=generator, amax=amax, rht_signs=signs
-        )
-        if fast is not None:
-            return fast
-    if rht:
-        x2 = random_hadamard_transform(x2, signs=signs)
-
-    def result(data, scale, amax_t):
+    def result(data, scale, amax_t, values=None):
         return NVFP4Tensor(
             data=data, scale=scale, amax=amax_t, shape=shape, block=block, dtype=x.dtype,
-            rht=rht, rht_signs=signs if rht else None, rounding=rounding,
+            rht=rht, rht_signs=signs if rht else None, rounding=rounding, values_bf16=values,
         )
 
-    rows_s = -(-M // BLOCK_SIZE) if block == "2d" else M
-    if x2.numel() == 0:
+    if M * K == 0:
+        rows_s = -(-M // BLOCK_SIZE) if block == "2d" else M
         return result(
             torch.zeros(M, -(-K // 2), dtype=torch.uint8, device=device),
             torch.zeros(rows_s, -(-K // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device),
             torch.zeros((), dtype=torch.float32, device=device),
         )
+    mask = kernels.sign_mask(signs) if rht else 0
+    if kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask):
+        data, scale, amax_t = kernels.quantize_rowwise(
+            x, block2d=block == "2d", rht=rht, sr=rounding == "stochastic", sign_mask=mask,
+            generator=generator, amax=amax_in)
+    else:
+        data, scale, amax_t = _quantize_reference(x.reshape(M, K), block, rht, rounding, generator, amax_in, signs)
+    if check:
+        _check_values(x.reshape(M, K), amax_t, amax_in is not None, rht)
+    return result(data, scale, amax_t)
 
+
+def _quantize_reference(x2: torch.Tensor, block: str, rht: bool, rounding: str, generator,
+                        amax: torch.Tensor | None, signs) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The reference: TE's operations in TE's order on ``x2`` [M, K] -> (data, scale, amax)."""
+    M, K = x2.shape
+    if rht:
+        x2 = random_hadamard_transform(x2, signs=signs)
     xf = x2.float().contiguous()
     # Zero-pad to whole blocks (TE reference _pad_tensor); padding has amax 0, code 0.
     Kp = _ceil_to(K, BLOCK_SIZE)
     Mp = _ceil_to(M, BLOCK_SIZE) if block == "2d" else M
     xp = F.pad(xf, (0, Kp - K, 0, Mp - M)) if (Kp, Mp) != (K, M) else xf
     xabs = xp.abs()
-    amax_t = xabs.amax() if amax is None else _validate_amax(amax, device)
+    amax_t = xabs.amax() if amax is None else amax
     if block == "1d":
         blocks = xp.view(Mp, Kp // BLOCK_SIZE, BLOCK_SIZE)
         block_amax = xabs.view(Mp, Kp // BLOCK_SIZE, BLOCK_SIZE).amax(dim=-1)
@@ -430,7 +507,76 @@ def quantize(
         codes = rne_codes(y)
     else:
         codes = sr_codes(y.clamp(-E2M1_MAX, E2M1_MAX), generator=generator)
-    return result(pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t)
+    return pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t
+
+
+def quantize_rowwise_columnwise(
+    x: torch.Tensor,
+    row: dict,
+    col: dict | None = None,
+    *,
+    generator: "torch.Generator | SRStream | None" = None,
+    values: tuple[bool, bool] = (False, False),
+    fallback: bool = True,
+) -> tuple[NVFP4Tensor, NVFP4Tensor | None] | None:
+    """The rowwise and the columnwise NVFP4 copies of ``x`` a training step needs.
+
+    Equivalent to ``(quantize(x, **row), quantize(x2d.t(), **col))`` with
+    ``x2d = x.reshape(-1, K)``: the rowwise copy (blocks along ``K``; Fprop/Dgrad operands) and
+    the columnwise copy (``x2dᵀ`` quantized along the token axis ``M``; Wgrad operands, with the
+    RHT along ``M`` when ``col["rht"]``). With ``col=None`` only the rowwise copy is made
+    (``(q, None)``). TE's quantizers produce both usages of one tensor the same way.
+
+    Where the Triton kernels cover the pair (:func:`nvfp4lab.kernels.covers_rowwise_columnwise`:
+    the two copies share ``block`` and ``rounding``, only the columnwise copy uses the RHT, no
+    ``amax`` given, ``M % 16 == 0`` with the RHT), one amax kernel and one read of ``x`` per copy
+    compute both, bit-identical to the two calls for RNE; SR draws independent streams per copy,
+    as two calls would. That path does not check for NaN (no host synchronisation): a NaN in
+    ``x`` makes both amaxes NaN, and every GEMM output using them NaN.
+
+    Args:
+        x: float tensor ``[..., K]`` with at least 2 dimensions.
+        row, col: the keyword options of :func:`quantize` for each copy
+            (:meth:`nvfp4lab.recipe.NVFP4Recipe.quantize_options` of the two roles).
+        generator: SR generator, shared by the two copies.
+        values: (rowwise, columnwise): also keep that copy's BF16 block values
+            (:attr:`NVFP4Tensor.values_bf16`) where the kernel that runs can write them
+            (rowwise 1×16 with ``K % 16 == 0`` or 2D; columnwise ``M % 16 == 0``); the GEMM then
+            skips a decode pass. Not part of the format.
+        fallback: where the kernels do not cover the pair, make it with :func:`quantize`
+            (default) or return ``None`` (for a caller with its own fallback).
+
+    Raises:
+        What :func:`quantize` raises, for either copy.
+    """
+    row_rht = bool(row.get("rht", False))
+    if col is None:
+        if fallback or uses_kernels(x, **row):
+            return quantize(x, generator=generator, **row), None
+        return None
+    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
+    col_rht = bool(col.get("rht", False))
+    mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
+    fast = (not row_rht and (col.get("block", "1d"), col.get("rounding", "nearest")) == (block, rounding)
+            and row.get("amax") is None and col.get("amax") is None and x.dim() >= 2)
+    if fast:
+        _check_options(x, block, rounding, False)
+        fast = kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask)
+    if not fast:
+        if not fallback:
+            return None
+        x2d = x.reshape(-1, x.shape[-1])
+        return quantize(x, generator=generator, **row), quantize(x2d.t(), generator=generator, **col)
+    d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
+        x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
+        generator=generator, values=(bool(values[0]), bool(values[1])))
+    M, K = math.prod(x.shape[:-1]), x.shape[-1]
+    q_row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
+                        rounding=rounding, values_bf16=v)
+    q_col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,
+                        rht=col_rht, rht_signs=_signs(col.get("rht_signs", WGRAD_SIGNS)) if col_rht else None,
+                        rounding=rounding, values_bf16=vt)
+    return q_row, q_col
 
 
 def fake_quantize(x: torch.Tensor, **options) -> torch.Tensor:
@@ -472,12 +618,10 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
     ):
         raise ValueError("both operands must use the same RHT (or none) for it to cancel in the GEMM")
-    if a.device.type == "cuda":
-        # Fast path: BF16 block values (exact) and a cuBLAS BF16 GEMM with FP32 accumulation.
-        from . import kernels
-
-        if kernels.available(a.device) and kernels.available(b.device):
-            return kernels.nvfp4_matmul_fast(a, b, out_dtype, bias=bias)
+    if a.rows * a.cols * b.rows and kernels.covers_gemm(a.device, b.device, out_dtype, bias):
+        # BF16 block values (exact) and a cuBLAS BF16 GEMM with FP32 accumulation, then alpha, bias, cast.
+        return kernels.gemm(a.block_values(torch.bfloat16), b.block_values(torch.bfloat16), a.amax, b.amax,
+                            out_dtype, bias)
     acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
     return _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias)
 

@@ -68,34 +68,30 @@ def recipe_from_dict(cls: type, data: Mapping[str, Any] | None):
 class NVFP4Recipe:
     """Configuration of emulated NVFP4 training (immutable; validated on construction).
 
-    Numerics (names and defaults as TE's ``NVFP4BlockScaling``):
+    The numerics fields have the names and defaults of TE's ``NVFP4BlockScaling``
+    (``transformer_engine/common/recipe/__init__.py``); the layer-selection fields are not in TE
+    and follow the paper (arXiv 2509.25149, appendix A.1) as closely as a small model allows.
 
-    disable_rht : bool, default False
-        Skip the 16-point random Hadamard transform on the Wgrad operands (the columnwise
-        copies of the input and of grad_output).
-    disable_stochastic_rounding : bool, default False
-        Round grad_output to nearest-even instead of stochastically (both copies).
-    disable_2d_quantization : bool, default False
-        Quantize weights with 1x16 blocks (rowwise for Fprop, an independent columnwise
-        quantization for Dgrad) instead of one 16x16 tile scale shared by W and W^T.
+    Attributes:
+        disable_rht: skip the 16-point random Hadamard transform on the Wgrad operands (the
+            columnwise copies of the input and of grad_output). Default False.
+        disable_stochastic_rounding: round grad_output to nearest-even instead of
+            stochastically (both copies). Default False.
+        disable_2d_quantization: quantize weights with 1x16 blocks (rowwise for Fprop, an
+            independent columnwise quantization for Dgrad) instead of one 16x16 tile scale
+            shared by W and W^T. Default False.
+        bf16_first_layers: leading transformer blocks whose linear layers stay in high
+            precision. Default 1.
+        bf16_last_layers: trailing transformer blocks whose linear layers stay in high
+            precision. Default 1. The paper keeps mostly the *last* blocks (for its 12B model the
+            first 2 and last 8 of 62, about 16% of the linear layers); with 4-12 blocks, one block
+            at each end is the closest round number.
+        quantize_lm_head: whether linear layers outside the numbered blocks (the LM head) are
+            quantized. Default False: the paper keeps the output head in BF16.
 
-    Layer selection (not in TE; defaults follow the paper as closely as a small model allows):
-
-    bf16_first_layers : int, default 1
-        Number of leading transformer blocks whose linear layers stay in high precision.
-    bf16_last_layers : int, default 1
-        Number of trailing transformer blocks whose linear layers stay in high precision. The
-        paper keeps mostly the *last* blocks (for its 12B model the first 2 and last 8 of 62,
-        ~16%); with 4-12 blocks, one block at each end is the closest round number.
-    quantize_lm_head : bool, default False
-        Whether linear layers outside the numbered blocks (the LM head) are quantized. The
-        paper keeps the output head in BF16.
-
-    Raises
-    ------
-    ValueError
-        A field has the wrong type (booleans must be ``bool``, layer counts non-negative
-        ``int``), or the combination is invalid: see :meth:`validate`.
+    Raises:
+        ValueError: a field has the wrong type (booleans must be ``bool``, layer counts
+            non-negative ``int``), or the combination is invalid: see :meth:`validate`.
     """
 
     disable_rht: bool = False

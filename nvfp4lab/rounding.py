@@ -14,6 +14,13 @@ TE draws its random bits from a Philox stream tied to its kernel's thread mappin
 the kernel, so SR is checked statistically, not bit for bit. Here a uniform float32
 draw from a ``torch.Generator`` is used: the same generator state reproduces the
 same codes on the same device.
+
+:class:`SRStream` is the other source of SR randomness: a Philox key and a call counter kept in a
+device tensor, advanced by a device operation. The Triton kernels read their Philox seeds from it,
+so a CUDA graph (the user's own, or ``torch.compile``'s) that captures a stochastic quantization
+draws fresh bits at every replay, the same bits as eager code from the same state, without
+registering anything with the graph (a ``torch.Generator`` other than the default one must be
+registered, ``torch.cuda.CUDAGraph.register_generator_state``).
 """
 
 from __future__ import annotations
@@ -22,7 +29,85 @@ import torch
 
 from .formats import E2M1_MAX, check_no_nan, check_float_tensor
 
-__all__ = ["stochastic_round_e2m1", "sr_codes"]
+__all__ = ["stochastic_round_e2m1", "sr_codes", "SRStream", "as_generator"]
+
+
+class SRStream:
+    """A stochastic-rounding random stream whose state (Philox key, call counter) lives on a device.
+
+    Each :meth:`seeds` call returns two fresh int64 Philox keys for one quantization (one per
+    output copy: rowwise, columnwise) as a device tensor, and advances the counter with an in-place
+    device add: no host read, no ``torch.Generator`` offset, so the call can be captured in a CUDA
+    graph and every replay draws new keys. The keys of call ``c`` are ``key + 2c`` and
+    ``key + 2c + 1`` (Philox is a keyed bijection: distinct keys give independent streams; the key
+    is a 62-bit value derived from ``seed``). The same state gives the same keys on every device,
+    so :meth:`get_state` / :meth:`set_state` reproduce a run across devices and processes.
+
+    Args:
+        seed: any integer; streams with different seeds are independent.
+        device: where the state tensor lives (the device of the tensors it quantizes).
+
+    Raises:
+        TypeError: ``seed`` is not an ``int``.
+    """
+
+    _MASK = (1 << 62) - 1
+
+    def __init__(self, seed: int = 0, device: torch.device | str = "cpu") -> None:
+        if not isinstance(seed, int) or isinstance(seed, bool):
+            raise TypeError(f"SRStream seed must be an int, got {type(seed).__name__}")
+        key = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & self._MASK  # spread small seeds apart
+        self._state = torch.tensor([key, 0], dtype=torch.int64, device=device)
+        self._pair = torch.tensor([0, 1], dtype=torch.int64, device=device)
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the state (and of the seeds)."""
+        return self._state.device
+
+    def seeds(self) -> torch.Tensor:
+        """Two int64 Philox keys for the next quantization, ``[2]`` on :attr:`device`; advances the
+        counter (device operations only: capturable)."""
+        out = self._state[0] + 2 * self._state[1] + self._pair
+        self._state[1:].add_(1)
+        return out
+
+    def generator(self) -> torch.Generator:
+        """A ``torch.Generator`` on :attr:`device` seeded from the next keys (one host read): the
+        reference (PyTorch) path's draws, reproducible from this stream's state."""
+        seed = int(self.seeds()[0])
+        return torch.Generator(device=self.device).manual_seed(seed)
+
+    def get_state(self) -> torch.Tensor:
+        """The state as a CPU int64 tensor ``[key, counter]`` (a copy)."""
+        return self._state.detach().to("cpu", copy=True)
+
+    def set_state(self, state: torch.Tensor) -> "SRStream":
+        """Restore a state from :meth:`get_state` (any device's) in place; returns ``self``.
+
+        Raises:
+            ValueError: ``state`` is not an int64 tensor of shape ``[2]``.
+        """
+        state = torch.as_tensor(state)
+        if state.dtype != torch.int64 or tuple(state.shape) != (2,):
+            raise ValueError(f"SRStream state must be an int64 tensor [key, counter], got {state.dtype} "
+                             f"{tuple(state.shape)}")
+        self._state.copy_(state)
+        return self
+
+    def to(self, device: torch.device | str) -> "SRStream":
+        """A stream on ``device`` continuing from this one's state (this one is not advanced)."""
+        other = SRStream(0, device)
+        return other.set_state(self.get_state())
+
+    def __repr__(self) -> str:
+        return f"SRStream(device={self.device})"
+
+
+def as_generator(generator) -> torch.Generator | None:
+    """``generator`` as a ``torch.Generator`` for the PyTorch draws: an :class:`SRStream` gives
+    :meth:`SRStream.generator`; a generator or ``None`` is returned as is."""
+    return generator.generator() if isinstance(generator, SRStream) else generator
 
 
 def stochastic_round_e2m1(
@@ -58,13 +143,14 @@ def stochastic_round_e2m1(
 
 
 def sr_codes(
-    x: torch.Tensor, *, generator: torch.Generator | None = None, uniform: torch.Tensor | None = None
+    x: torch.Tensor, *, generator: "torch.Generator | SRStream | None" = None, uniform: torch.Tensor | None = None
 ) -> torch.Tensor:
     """SR E2M1 codes (uint8, 0..15) of a float32 tensor known to hold no NaN.
 
     :func:`stochastic_round_e2m1` without its checks, for callers that already validated (the hot
     path of :func:`nvfp4lab.quantize`). ``uniform``: the U[0, 1) draws to use instead of the
-    ``generator``'s (one per element).
+    ``generator``'s (one per element). ``generator``: a ``torch.Generator``, an :class:`SRStream`
+    (through :func:`as_generator`) or ``None`` (torch's default generator).
 
     The E2M1 grid is uniform within each binade-like segment: step 0.5 on [0, 2),
     1 on [2, 4) and 2 on [4, 6]. So ``lo = floor(a / step) · step`` (exact: the step
@@ -77,7 +163,7 @@ def sr_codes(
     lo = torch.floor(a / step) * step
     p_up = (a - lo) / step
     if uniform is None:
-        uniform = torch.rand(a.shape, generator=generator, device=a.device, dtype=torch.float32)
+        uniform = torch.rand(a.shape, generator=as_generator(generator), device=a.device, dtype=torch.float32)
     v = torch.where(uniform < p_up, lo + step, lo)
     mag_code = torch.where(v < 2, 2 * v, torch.where(v < 4, v + 2, v / 2 + 4)).to(torch.uint8)
     return mag_code | ((x < 0).to(torch.uint8) << 3)

@@ -23,19 +23,18 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture
 def fused_pair_calls(monkeypatch):
-    """Wrap ``nvfp4lab.kernels.fused_quantize_rowwise_columnwise``; the returned list gets, per
-    call, whether the fused kernels took it (True) or declined (False)."""
+    """Wrap ``nvfp4lab.kernels.quantize_rowwise_columnwise``: the returned list gets ``True`` each
+    time the fused rowwise + columnwise kernels run."""
     from nvfp4lab import kernels
 
     calls: list[bool] = []
-    real = kernels.fused_quantize_rowwise_columnwise
+    real = kernels.quantize_rowwise_columnwise
 
     def counting(*args, **kwargs):
-        pair = real(*args, **kwargs)
-        calls.append(pair is not None)
-        return pair
+        calls.append(True)
+        return real(*args, **kwargs)
 
-    monkeypatch.setattr(kernels, "fused_quantize_rowwise_columnwise", counting)
+    monkeypatch.setattr(kernels, "quantize_rowwise_columnwise", counting)
     return calls
 
 

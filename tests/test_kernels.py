@@ -22,7 +22,9 @@ pytest.importorskip("triton")
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.testing import assert_nvfp4_equal
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
-from nvfp4lab.quantize import block_encode_scales, nvfp4_matmul, quantize  # noqa: E402
+from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
+from nvfp4lab.quantize import (  # noqa: E402
+    block_encode_scales, nvfp4_matmul, quantize, quantize_rowwise_columnwise, uses_kernels)
 
 if not kernels.interpreter_mode():
     pytest.skip("Triton kernels were built for the GPU (set TRITON_INTERPRET=1 before importing triton)",
@@ -31,6 +33,37 @@ if not kernels.interpreter_mode():
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy 1/0 = inf in the interpreter
 
 FIXTURE = os.path.join(os.path.dirname(__file__), "fixtures", "te_golden.pt")
+
+
+@pytest.fixture(autouse=True)
+def _kernels_on_cpu(kernel_options):
+    """Every test here runs the kernels on CPU tensors, in Triton's interpreter."""
+    kernel_options(interpret_on_cpu=True)
+
+
+def fast(x, **kw):
+    """``quantize_ref(x, **kw)`` through the kernels (asserting that they cover these options)."""
+    assert uses_kernels(x, **kw), kw
+    return quantize(x, **kw)
+
+
+def ref(fn, *args, **kw):
+    """``fn(*args, **kw)`` with the kernels off: the PyTorch reference path."""
+    with kernels.disabled():
+        return fn(*args, **kw)
+
+
+def quantize_ref(x, **kw):
+    return ref(quantize, x, **kw)
+
+
+def pair(x, *, block="1d", rht=False, rounding="nearest", generator=None, amax=None, amax_t=None,
+         values=(False, False), fallback=False):
+    """Both copies through :func:`quantize_rowwise_columnwise` (None where the kernels decline and
+    ``fallback`` is False)."""
+    row = dict(block=block, rounding=rounding, amax=amax)
+    col = dict(block=block, rht=rht, rounding=rounding, amax=amax_t)
+    return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=fallback)
 
 
 def _x(shape, dtype, seed=0, scale=3.0):
@@ -109,21 +142,21 @@ CONFIGS = [("1d", False), ("2d", False), ("1d", True)]
 def test_quantize_fast_bit_exact(shape, dtype, block, rht):
     x = _x(shape, dtype)
     if rht and shape[-1] % 16:
-        assert kernels.quantize_fast(x, rht=True) is None  # the reference raises ValueError
+        assert not uses_kernels(x, rht=True)  # the reference raises ValueError
         return
-    assert_nvfp4_equal(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
+    assert_nvfp4_equal(fast(x, block=block, rht=rht), quantize_ref(x, block=block, rht=rht))
 
 
 def test_float16_and_given_amax_and_signs():
     x = _x((32, 64), torch.float16)
-    assert_nvfp4_equal(kernels.quantize_fast(x), quantize(x))
-    assert kernels.quantize_fast(x, rht=True) is None  # fp16 + RHT: reference path
+    assert_nvfp4_equal(fast(x), quantize_ref(x))
+    assert not uses_kernels(x, rht=True)  # fp16 + RHT: reference path
     y = _x((32, 64), torch.float32)
     for amax in (1.5, torch.tensor(20.0), torch.tensor([0.0])):
-        assert_nvfp4_equal(kernels.quantize_fast(y, amax=amax), quantize(y, amax=amax))
-    assert_nvfp4_equal(kernels.quantize_fast(y, rht=True, rht_signs=None), quantize(y, rht=True, rht_signs=None))
+        assert_nvfp4_equal(fast(y, amax=amax), quantize_ref(y, amax=amax))
+    assert_nvfp4_equal(fast(y, rht=True, rht_signs=None), quantize_ref(y, rht=True, rht_signs=None))
     signs = torch.tensor([1.0, -1.0] * 8)
-    assert_nvfp4_equal(kernels.quantize_fast(y, rht=True, rht_signs=signs), quantize(y, rht=True, rht_signs=signs))
+    assert_nvfp4_equal(fast(y, rht=True, rht_signs=signs), quantize_ref(y, rht=True, rht_signs=signs))
 
 
 @pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
@@ -134,7 +167,7 @@ def test_non_contiguous(block, rht, dtype):
     for v in views:
         if rht and v.shape[-1] % 16:
             continue
-        assert_nvfp4_equal(kernels.quantize_fast(v, block=block, rht=rht), quantize(v, block=block, rht=rht))
+        assert_nvfp4_equal(fast(v, block=block, rht=rht), quantize_ref(v, block=block, rht=rht))
 
 
 @pytest.mark.parametrize("shape", [(64, 96), (48, 80), (3, 16, 48), (40, 24)], ids=str)
@@ -143,25 +176,26 @@ def test_non_contiguous(block, rht, dtype):
 def test_fused_rowwise_columnwise(shape, dtype, block, rht):
     x = _x(shape, dtype, seed=3)
     x2 = x.reshape(-1, x.shape[-1])
-    out = kernels.fused_quantize_rowwise_columnwise(x, block=block, rht=rht, fallback=False)
+    out = pair(x, block=block, rht=rht)
     if rht and x2.shape[0] % 16:
         assert out is None
         return
     row, col = out
-    assert_nvfp4_equal(row, quantize(x, block=block))
-    assert_nvfp4_equal(col, quantize(x2.t(), block=block, rht=rht))
+    assert_nvfp4_equal(row, quantize_ref(x, block=block))
+    assert_nvfp4_equal(col, quantize_ref(x2.t(), block=block, rht=rht))
 
 
 def test_fused_given_amax_and_fallback():
     x = _x((32, 64), torch.bfloat16)
-    row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=True, amax=7.0, amax_t=torch.tensor(9.0))
-    assert_nvfp4_equal(row, quantize(x, amax=7.0))
-    assert_nvfp4_equal(col, quantize(x.t(), rht=True, amax=9.0))
+    assert pair(x, rht=True, amax=7.0, amax_t=torch.tensor(9.0)) is None  # a given amax: not fused
+    row, col = pair(x, rht=True, amax=7.0, amax_t=torch.tensor(9.0), fallback=True)
+    assert_nvfp4_equal(row, quantize_ref(x, amax=7.0))
+    assert_nvfp4_equal(col, quantize_ref(x.t(), rht=True, amax=9.0))
     x64 = x.double()
-    assert kernels.fused_quantize_rowwise_columnwise(x64, fallback=False) is None
-    row, col = kernels.fused_quantize_rowwise_columnwise(x64, rht=True)
-    assert_nvfp4_equal(row, quantize(x64))
-    assert_nvfp4_equal(col, quantize(x64.t(), rht=True))
+    assert pair(x64) is None
+    row, col = pair(x64, rht=True, fallback=True)
+    assert_nvfp4_equal(row, quantize_ref(x64))
+    assert_nvfp4_equal(col, quantize_ref(x64.t(), rht=True))
 
 
 def test_golden_special_inputs():
@@ -174,9 +208,9 @@ def test_golden_special_inputs():
         x = inputs[name]
         x2 = x.reshape(-1, x.shape[-1])
         for block, rht in CONFIGS:
-            assert_nvfp4_equal(kernels.quantize_fast(x, block=block, rht=rht), quantize(x, block=block, rht=rht))
+            assert_nvfp4_equal(fast(x, block=block, rht=rht), quantize_ref(x, block=block, rht=rht))
         if x2.shape[0] % 16 == 0:  # columnwise (16-slice kernel) with the RHT
-            assert_nvfp4_equal(kernels.quantize_fast(x2.t(), rht=True), quantize(x2.t(), rht=True))
+            assert_nvfp4_equal(fast(x2.t(), rht=True), quantize_ref(x2.t(), rht=True))
 
 
 def test_negative_zero_and_underflowed_scale():
@@ -185,8 +219,8 @@ def test_negative_zero_and_underflowed_scale():
     x[1, :16] = 1e-3  # block scale underflows to 0 next to a large block: codes ±6, scale 0
     x[1, 16] = 1e4
     x[2, :16] = -1e-3
-    assert_nvfp4_equal(kernels.quantize_fast(x), quantize(x))
-    assert int(kernels.quantize_fast(x).data[0, 0]) == 0  # exact -0.0 -> code 0, as TE's reference
+    assert_nvfp4_equal(fast(x), quantize_ref(x))
+    assert int(fast(x).data[0, 0]) == 0  # exact -0.0 -> code 0, as TE's reference
 
 
 # ----------------------------------------------------------------------------- decode and GEMM
@@ -196,18 +230,19 @@ def test_dequantize_and_block_values(dtype, block, rht):
     for x in (_x((48, 80), dtype), _x((17, 40), dtype), torch.load(FIXTURE, weights_only=True)["inputs"]["inf_32x64_bf16"]):
         if rht and x.shape[-1] % 16:
             continue
-        q = quantize(x, block=block, rht=rht)
-        assert torch.equal(kernels.dequantize_to_bf16(q), q.dequantize(torch.bfloat16))
-        assert torch.equal(kernels.dequantize_to_bf16(q, undo_rht=False), q.dequantize(torch.bfloat16, undo_rht=False))
-        assert torch.equal(kernels.block_values_bf16(q), q.block_values(torch.bfloat16))
+        q = quantize_ref(x, block=block, rht=rht)
+        assert torch.equal(q.dequantize(torch.bfloat16), ref(q.dequantize, torch.bfloat16))
+        assert torch.equal(q.dequantize(torch.bfloat16, undo_rht=False),
+                           ref(q.dequantize, torch.bfloat16, undo_rht=False))
+        assert torch.equal(q.block_values(torch.bfloat16), ref(q.block_values, torch.bfloat16))
 
 
 def test_matmul_fast_equals_reference_on_cpu():
-    a = quantize(_x((48, 64), torch.bfloat16, seed=5))
-    b = quantize(_x((32, 64), torch.float32, seed=6), block="2d")
-    assert torch.equal(kernels.nvfp4_matmul_fast(a, b), nvfp4_matmul(a, b))
+    a = quantize_ref(_x((48, 64), torch.bfloat16, seed=5))
+    b = quantize_ref(_x((32, 64), torch.float32, seed=6), block="2d")
+    assert torch.equal(nvfp4_matmul(a, b), ref(nvfp4_matmul, a, b))
     with pytest.raises(ValueError):
-        kernels.nvfp4_matmul_fast(a, quantize(_x((32, 48), torch.float32)))
+        nvfp4_matmul(a, quantize_ref(_x((32, 48), torch.float32)))
 
 
 def test_gemm_quantizer_in_nvfp4linear():
@@ -216,8 +251,8 @@ def test_gemm_quantizer_in_nvfp4linear():
 
     recipe = NVFP4Recipe(disable_stochastic_rounding=True)
     torch.manual_seed(0)
-    ref = linear.NVFP4Linear(64, 48, recipe=recipe)
-    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe, quantizer=kernels.TritonGemmQuantizer())
+    ref = linear.NVFP4Linear(64, 48, recipe=recipe, quantizer=ReferenceQuantizer())
+    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe)
     x = _x((2, 16, 64), torch.float32, seed=7).requires_grad_()
     y_ref = ref(x)
     y_ref.square().sum().backward()
@@ -241,11 +276,11 @@ def test_one_block_per_thread_kernels_equal_tile_kernels(kernel_options, shape, 
     for rows_kernel in (True, False):
         kernel_options(rows_kernel=rows_kernel)
         g = torch.Generator().manual_seed(3)
-        q2 = quantize(x, block="2d")
-        outs.append((kernels.quantize_fast(x), kernels.quantize_fast(x, rounding="stochastic", generator=g),
-                     kernels.block_values_bf16(q2), kernels.block_values_bf16(quantize(x))))
+        q2 = quantize_ref(x, block="2d")
+        outs.append((fast(x), fast(x, rounding="stochastic", generator=g),
+                     q2.block_values(torch.bfloat16), quantize_ref(x).block_values(torch.bfloat16)))
     (rne, sr, bv2, bv1), (rne_t, sr_t, bv2_t, bv1_t) = outs
-    assert_nvfp4_equal(rne, quantize(x))
+    assert_nvfp4_equal(rne, quantize_ref(x))
     assert_nvfp4_equal(rne, rne_t)
     assert_nvfp4_equal(sr, sr_t)
     assert torch.equal(bv2, bv2_t) and torch.equal(bv1, bv1_t)
@@ -259,17 +294,17 @@ def test_kernels_write_block_values_with_the_codes(shape, dtype, kw):
     """values=(True, True): both copies carry BF16 block values equal to block_values() of their own
     codes, block_values_bf16 returns that cache, and the codes are those written without it."""
     x = _x(shape, dtype, seed=17)
-    row, col = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, values=(True, True), **kw)
+    row, col = pair(x, values=(True, True), **kw)
     for q in (row, col):
         assert q.values_bf16 is not None and q.values_bf16.dtype == torch.bfloat16
         assert torch.equal(q.values_bf16, q.block_values(torch.bfloat16))
-        assert kernels.block_values_bf16(q) is q.values_bf16
+        assert q.block_values(torch.bfloat16) is q.values_bf16
     if kw.get("block") == "2d":  # rowwise values only: the columnwise copy gets their transpose
-        row1, col1 = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, values=(True, False), **kw)
+        row1, col1 = pair(x, values=(True, False), **kw)
         assert torch.equal(col1.values_bf16, col1.block_values(torch.bfloat16))
         assert col1.values_bf16.data_ptr() == row1.values_bf16.data_ptr()
     if kw.get("rounding") != "stochastic":
-        row0, col0 = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, **kw)
+        row0, col0 = pair(x, **kw)
         assert_nvfp4_equal(row, row0)
         assert_nvfp4_equal(col, col0)
         assert row0.values_bf16 is None and col0.values_bf16 is None
@@ -277,35 +312,50 @@ def test_kernels_write_block_values_with_the_codes(shape, dtype, kw):
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_matmul_fast_epilogue_bias_and_cast(out_dtype):
-    a = quantize(_x((48, 64), torch.bfloat16, seed=8))
-    b = quantize(_x((40, 64), torch.float32, seed=9), block="2d")
+    a = quantize_ref(_x((48, 64), torch.bfloat16, seed=8))
+    b = quantize_ref(_x((40, 64), torch.float32, seed=9), block="2d")
     bias = _x((40,), torch.float32, seed=10)
     for bb in (None, bias, bias.to(torch.bfloat16)):
-        got = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype, bias=bb)
+        got = nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bb)
         assert got.dtype == out_dtype
-        assert torch.equal(got, nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bb))
+        assert torch.equal(got, ref(nvfp4_matmul, a, b, out_dtype=out_dtype, bias=bb))
     with pytest.raises(ValueError, match=r"bias must be a tensor of shape \[N\] = \[40\]"):
-        kernels.nvfp4_matmul_fast(a, b, bias=torch.zeros(41))
+        nvfp4_matmul(a, b, bias=torch.zeros(41))
 
 
 def test_amax_pass_propagates_nan():
     x = _x((32, 64), torch.bfloat16, seed=11)
     x[3, 5] = float("nan")
-    q = kernels.quantize_fast(x)
+    q = fast(x, check=False)
     assert torch.isnan(q.amax)
-    row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=True, fallback=False)
+    with pytest.raises(ValueError, match="NaN"):
+        fast(x)  # checked: one read of the amax
+    row, col = pair(x, rht=True)
     assert torch.isnan(row.amax) and torch.isnan(col.amax)
     # and through the GEMM's per-tensor factor, every output
-    w = quantize(_x((16, 64), torch.float32, seed=12), block="2d")
-    assert torch.isnan(kernels.nvfp4_matmul_fast(row, w)).all()
+    w = quantize_ref(_x((16, 64), torch.float32, seed=12), block="2d")
+    assert torch.isnan(nvfp4_matmul(row, w)).all()
+
+
+class ReferenceQuantizer(NVFP4GemmQuantizer):
+    """The default quantizer with the kernels off: the layer's reference path."""
+
+    def quantize(self, x, **options):
+        return ref(super().quantize, x, **options)
+
+    def quantize_pair(self, *args, **kwargs):
+        return None
+
+    def matmul(self, a, b, **kwargs):
+        return ref(super().matmul, a, b, **kwargs)
 
 
 def _fast_and_reference_layers(recipe, dtype_w=torch.float32):
     linear = pytest.importorskip("nvfp4lab.linear")
     torch.manual_seed(0)
-    ref = linear.NVFP4Linear(64, 48, recipe=recipe, dtype=dtype_w)
-    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe, quantizer=kernels.TritonGemmQuantizer())
-    return ref, fast
+    ref_layer = linear.NVFP4Linear(64, 48, recipe=recipe, dtype=dtype_w, quantizer=ReferenceQuantizer())
+    fast_layer = linear.NVFP4Linear.from_linear(ref_layer, recipe=recipe)  # the default quantizer
+    return ref_layer, fast_layer
 
 
 @pytest.mark.parametrize("M, dtype, two_d", [(32, torch.bfloat16, True), (48, torch.float32, False),
@@ -347,7 +397,7 @@ def test_nvfp4linear_fused_path_nan_gives_nan_without_scanning(monkeypatch):
 
 
 def test_nvfp4linear_fused_path_records_operands():
-    """capture_gemm_operands on the fused path: every RNE operand equals quantize(source)."""
+    """capture_gemm_operands on the fused path: every RNE operand equals quantize_ref(source)."""
     from nvfp4lab.linear import capture_gemm_operands
     from nvfp4lab.recipe import NVFP4Recipe
 
@@ -358,7 +408,7 @@ def test_nvfp4linear_fused_path_records_operands():
     assert sorted((o.gemm, o.operand) for o in ops) == sorted(
         [("fprop", "x"), ("wgrad", "xt"), ("fprop", "w"), ("dgrad", "wt"), ("dgrad", "dy"), ("wgrad", "dyt")])
     for o in ops:
-        assert_nvfp4_equal(o.tensor, quantize(o.source, **o.options))
+        assert_nvfp4_equal(o.tensor, quantize_ref(o.source, **o.options))
 
 
 # ----------------------------------------------------------------------------- stochastic rounding
@@ -396,16 +446,16 @@ def test_sr_rowwise_statistics():
     x = _x((16, 64), torch.bfloat16, seed=11)
     xr = x.repeat(n, 1)  # n copies of the same rows: same global amax and block scales
     gen = torch.Generator().manual_seed(0)
-    q = kernels.quantize_fast(xr, rounding="stochastic", generator=gen)
-    ref = quantize(xr, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    q = fast(xr, rounding="stochastic", generator=gen)
+    ref = quantize_ref(xr, rounding="stochastic", generator=torch.Generator().manual_seed(0))
     assert torch.equal(q.scale.view(torch.uint8), ref.scale.view(torch.uint8)) and torch.equal(q.amax, ref.amax)
     y = x.float().view(16, 4, 16) * block_encode_scales(q.scale[:16], q.amax)[:, :, None]
     _sr_check(q.codes().view(n, 16, 64), y.view(16, 64), n)
     _sr_check(ref.codes().view(n, 16, 64), y.view(16, 64), n)  # the reference passes the same test
     # reproducible from the generator state; a second draw differs
-    again = kernels.quantize_fast(xr, rounding="stochastic", generator=torch.Generator().manual_seed(0))
+    again = fast(xr, rounding="stochastic", generator=torch.Generator().manual_seed(0))
     assert torch.equal(again.data, q.data)
-    other = kernels.quantize_fast(xr, rounding="stochastic", generator=gen)
+    other = fast(xr, rounding="stochastic", generator=gen)
     assert not torch.equal(other.data, q.data)
 
 
@@ -414,10 +464,10 @@ def test_sr_fused_columnwise_rht_statistics(kernel_options):
     x = _x((32, 16), torch.bfloat16, seed=12)  # M=32 tokens, K=16 features
     xr = x.repeat(1, n)  # n copies of each feature column: columnwise rows repeat
     kernel_options(config={"slices_both": dict(G=2, BK=1024, num_warps=4)})  # one program
-    row, col = kernels.fused_quantize_rowwise_columnwise(xr, rht=True, rounding="stochastic",
+    row, col = pair(xr, rht=True, rounding="stochastic",
                                                           generator=torch.Generator().manual_seed(1),
                                                           fallback=False)
-    ref_col = quantize(xr.t(), rht=True)
+    ref_col = quantize_ref(xr.t(), rht=True)
     assert torch.equal(col.scale.view(torch.uint8), ref_col.scale.view(torch.uint8))
     assert torch.equal(col.amax, ref_col.amax)
     from nvfp4lab.hadamard import random_hadamard_transform
@@ -425,7 +475,7 @@ def test_sr_fused_columnwise_rht_statistics(kernel_options):
     xt = random_hadamard_transform(x.t().contiguous()).float()  # [16, 32]
     y = xt.view(16, 2, 16) * block_encode_scales(col.scale[:16], col.amax)[:, :, None]
     _sr_check(col.codes().view(n, 16, 32), y.view(16, 32), n)
-    ref_row = quantize(xr)
+    ref_row = quantize_ref(xr)
     assert torch.equal(row.scale.view(torch.uint8), ref_row.scale.view(torch.uint8))
     yr = (x.float().view(32, 1, 16) * block_encode_scales(row.scale.view(torch.uint8)[:, :1].view(torch.float8_e4m3fn),
                                                           row.amax)[:, :, None]).view(32, 16)
@@ -433,22 +483,29 @@ def test_sr_fused_columnwise_rht_statistics(kernel_options):
 
 
 # ----------------------------------------------------------------------------- dispatch
-def test_returns_none_where_the_fast_path_does_not_apply():
+def test_dispatch_takes_the_kernels_only_where_they_apply():
+    """uses_kernels (the one decision, in nvfp4lab.quantize) says no where the kernels do not
+    cover the call, and quantize() then still answers, from the reference."""
     x = _x((32, 48), torch.float32)
-    assert kernels.quantize_fast(x.double()) is None
-    assert kernels.quantize_fast(torch.tensor(1.0)) is None
-    assert kernels.quantize_fast(torch.empty(0, 16)) is None
-    assert kernels.quantize_fast(_x((32, 40), torch.float32), rht=True) is None  # K % 16
-    assert kernels.quantize_fast(x[0], block="2d") is None
-    assert kernels.quantize_fast(x, block="3d") is None
-    assert kernels.quantize_fast(x, amax=-1.0) is None
-    assert kernels.quantize_fast(_x((32, 64), torch.float32), rht=True, rht_signs=torch.ones(8)) is None
-    assert kernels.quantize_fast(torch.zeros(4, 16, dtype=torch.int32)) is None
+    assert not uses_kernels(x.double())
+    assert not uses_kernels(torch.tensor(1.0))
+    assert not uses_kernels(torch.empty(0, 16))
+    assert not uses_kernels(_x((32, 40), torch.float32), rht=True)  # K % 16
+    assert not uses_kernels(x[0], block="2d")
+    assert not uses_kernels(x, block="3d")
+    assert not uses_kernels(_x((32, 64), torch.float32), rht=True, rht_signs=torch.ones(8))
+    assert not uses_kernels(torch.zeros(4, 16, dtype=torch.int32))
+    assert uses_kernels(x) and kernels.available("cpu")
     with kernels.disabled():
-        assert kernels.quantize_fast(x) is None
-        assert not kernels.available("cpu")
-    assert kernels.available("cpu")
-    assert kernels.quantize_fast(x) is not None
+        assert not uses_kernels(x) and not kernels.available("cpu")
+    with kernels.use_options(interpret_on_cpu=False):
+        assert not uses_kernels(x)  # the default outside these tests: CPU runs the reference
+    assert_nvfp4_equal(quantize(x.double()), quantize_ref(x.double()))
+    y = _x((32, 64), torch.float32)
+    assert_nvfp4_equal(quantize(y, rht=True, rht_signs=torch.ones(16) * torch.tensor([1.0, -1.0]).repeat(8)),
+                       quantize_ref(y, rht=True, rht_signs=torch.tensor([1.0, -1.0] * 8)))
+    with pytest.raises(ValueError, match="amax must be a non-negative number"):
+        quantize(x, amax=-1.0)
 
 
 def test_rht_fp32_butterfly_mode_is_close_for_bf16():
@@ -456,9 +513,9 @@ def test_rht_fp32_butterfly_mode_is_close_for_bf16():
     x = _x((64, 128), torch.bfloat16, seed=9)
     with kernels.use_options(rht_f64=False), warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        q = kernels.quantize_fast(x, rht=True)
+        q = fast(x, rht=True)
     assert kernels.options().rht_f64          # restored
-    assert_nvfp4_equal(q, quantize(x, rht=True))
+    assert_nvfp4_equal(q, quantize_ref(x, rht=True))
 
 
 @triton.jit
@@ -499,16 +556,16 @@ def test_fused_single_kernel_mode(kernel_options, dtype, rht):
     """fuse_row_col=True: one 16-slice kernel writes both copies (bit-identical too)."""
     kernel_options(fuse_row_col=True)
     x = _x((48, 80), dtype, seed=4)
-    row, col = kernels.fused_quantize_rowwise_columnwise(x, rht=rht, fallback=False)
-    assert_nvfp4_equal(row, quantize(x))
-    assert_nvfp4_equal(col, quantize(x.t(), rht=rht))
+    row, col = pair(x, rht=rht)
+    assert_nvfp4_equal(row, quantize_ref(x))
+    assert_nvfp4_equal(col, quantize_ref(x.t(), rht=rht))
     n = 32
     xr = _x((32, 16), dtype, seed=5).repeat(1, n)
     kernel_options(config={"slices_both": dict(G=2, BK=512, num_warps=4)})
-    row, col = kernels.fused_quantize_rowwise_columnwise(xr, rht=rht, rounding="stochastic", fallback=False)
-    ref = quantize(xr.t(), rht=rht)
+    row, col = pair(xr, rht=rht, rounding="stochastic")
+    ref = quantize_ref(xr.t(), rht=rht)
     assert torch.equal(col.scale.view(torch.uint8), ref.scale.view(torch.uint8))
-    src = quantize(xr.t(), rht=rht)  # same scales; the scaled values y follow from the reference
+    src = quantize_ref(xr.t(), rht=rht)  # same scales; the scaled values y follow from the reference
     from nvfp4lab.hadamard import random_hadamard_transform
 
     xt = xr.t().contiguous()

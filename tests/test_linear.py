@@ -32,11 +32,6 @@ from nvfp4lab.testing import assert_nvfp4_equal
 
 assert_same_quant = functools.partial(assert_nvfp4_equal, check_dtype=False)
 
-def gen_from(state):
-    g = torch.Generator()
-    g.set_state(state)
-    return g
-
 
 def run_layer(layer, x, seed=0):
     """Forward + backward with a fixed upstream gradient; returns (y, g, operands by name)."""
@@ -72,7 +67,7 @@ def test_every_gemm_operand_is_quantize_of_the_right_tensor(tokens):
     o = ops["dgrad", "dy"]
     assert o.rng_state is not None
     assert_same_quant(o.tensor, quantize(dy, block="1d", rounding="stochastic",
-                                         generator=gen_from(o.rng_state)))
+                                         generator=o.rng()))
     assert_same_quant(ops["dgrad", "wt"].tensor, quantize(W.t().contiguous(), block="2d"))
     # 2D: W^T's quantization is exactly the transpose of W's
     assert torch.equal(ops["dgrad", "wt"].tensor.block_values(), ops["fprop", "w"].tensor.block_values().t())
@@ -80,7 +75,7 @@ def test_every_gemm_operand_is_quantize_of_the_right_tensor(tokens):
     assert_same_quant(ops["wgrad", "xt"].tensor, quantize(pad_tokens(x2.t()), block="1d", rht=True))
     o = ops["wgrad", "dyt"]
     assert_same_quant(o.tensor, quantize(pad_tokens(dy.t()), block="1d", rht=True, rounding="stochastic",
-                                         generator=gen_from(o.rng_state)))
+                                         generator=o.rng()))
     assert not torch.equal(ops["wgrad", "xt"].tensor.amax, ops["fprop", "x"].tensor.amax)  # post-RHT amax
 
     # The outputs are exactly the three emulated GEMMs of those operands

@@ -1,23 +1,21 @@
 """Fast NVFP4 kernels (Triton) behind the pure-PyTorch contract of :mod:`nvfp4lab.quantize`.
 
 Hopper has no FP4 tensor cores, so emulated NVFP4 training there is bounded by the cost of
-quantization. This package holds Triton kernels that produce *bit-identical* results to
-:func:`nvfp4lab.quantize.quantize` (round-to-nearest) and statistically equivalent ones
-(stochastic rounding), and thin dispatch functions that return ``None`` when the fast path
-does not apply so the caller can fall back to the reference:
+quantization. This package holds Triton kernels that produce *bit-identical* results to the
+reference code of :mod:`nvfp4lab.quantize` (round-to-nearest) and statistically equivalent ones
+(stochastic rounding). As torchao's ``mx_formats`` kernels, they take and return plain tensors
+(packed codes, scales, amaxes, BF16 values); :mod:`nvfp4lab.quantize` alone decides whether they
+run (``covers_*`` below say what they cover) and wraps their outputs in ``NVFP4Tensor``:
 
-* :func:`quantize_fast` — the drop-in for :func:`~nvfp4lab.quantize.quantize`: a global amax
-  reduction kernel (the global scale needs the whole-tensor amax; skipped when ``amax`` is
-  given), then one quantize kernel (1×16 or 16×16 blocks, optional RHT butterfly, RNE or SR).
-* :func:`fused_quantize_rowwise_columnwise`, :func:`quantize_pair_fast` — the rowwise
-  ``quantize(x)`` and the columnwise ``quantize(x.t(), rht=...)`` a training step needs, from
-  one amax pass and one read of ``x`` per copy, optionally with their BF16 block values.
-* :func:`block_values_bf16`, :func:`dequantize_to_bf16` — decode to BF16.
-* :func:`nvfp4_matmul_fast` — BF16 block values, a cuBLAS BF16 GEMM with FP32 accumulation,
-  and one epilogue kernel for the per-tensor factor, the bias and the output cast:
-  :func:`~nvfp4lab.quantize.nvfp4_matmul` up to FP32 accumulation order.
-* :class:`TritonGemmQuantizer` — the :class:`nvfp4lab.linear.GemmQuantizer` plug for
-  ``NVFP4Linear(quantizer=...)`` (the default quantizer takes the same kernels on CUDA).
+* :func:`quantize_rowwise` — ``quantize(x)``: a global amax reduction kernel (the global scale
+  needs the whole-tensor amax; skipped when ``amax`` is given), then one quantize kernel (1×16 or
+  16×16 blocks, optional RHT butterfly, RNE or SR).
+* :func:`quantize_rowwise_columnwise` — the rowwise ``quantize(x)`` and the columnwise
+  ``quantize(x.t(), rht=...)`` a training step needs, from one amax pass and one read of ``x``
+  per copy, optionally with their BF16 block values.
+* :func:`block_values`, :func:`dequantize` — decode to BF16.
+* :func:`gemm` — a cuBLAS BF16 GEMM of the block values with FP32 accumulation and one epilogue
+  for the per-tensor factor, the bias and the output cast.
 
 Kernel families (``triton_kernels.py``): a tile kernel for any layout; a one-block-per-thread
 kernel for rowwise 1×16 blocks (each thread holds its 16 elements, so block amax, scale and
@@ -33,10 +31,10 @@ launches two or three kernels, so capture small steps in CUDA graphs.
 
 Where the kernels run: CUDA tensors when Triton is installed; CPU tensors only in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before this package is first used), which the CPU
-tests use. Set ``NVFP4LAB_DISABLE_KERNELS=1`` (or use :func:`disabled`) to turn the fast
-path off. The fast path does not scan for NaN (that would cost a host synchronisation):
-:func:`~nvfp4lab.quantize.quantize` rejects NaN before dispatching; called directly, a NaN
-input gives unspecified codes.
+tests use. Set ``NVFP4LAB_DISABLE_KERNELS=1`` (or use :func:`disabled`) to turn them off. The
+kernels do not scan for NaN (that would cost a host synchronisation): a NaN input makes the amax
+NaN, which :func:`nvfp4lab.quantize.quantize` checks (one scalar) and every GEMM output using
+that operand shows.
 """
 
 from __future__ import annotations
@@ -45,7 +43,6 @@ import contextlib
 import dataclasses
 import math
 import os
-import threading
 from types import MappingProxyType
 from typing import Any, Iterator, Mapping
 
@@ -53,22 +50,12 @@ import torch
 
 from ..formats import GEMM_ALPHA_DENOMINATOR, RCP_E2M1_MAX, RCP_GLOBAL_SCALE_NUMERATOR
 from ..hadamard import RHT_SIZE, WGRAD_SIGN_MASK, WGRAD_SIGNS
-from ..quantize import NVFP4Tensor, _check_bias, _gemm_epilogue, nvfp4_matmul, quantize
+from ..rounding import SRStream
 
 __all__ = [
-    "available",
-    "interpreter_mode",
-    "disabled",
-    "quantize_fast",
-    "fused_quantize_rowwise_columnwise",
-    "block_values_bf16",
-    "dequantize_to_bf16",
-    "nvfp4_matmul_fast",
-    "quantize_pair_fast",
-    "TritonGemmQuantizer",
-    "KernelOptions",
-    "options",
-    "use_options",
+    "available", "interpreter_mode", "disabled", "KernelOptions", "options", "use_options",
+    "covers_quantize", "covers_rowwise_columnwise", "covers_decode", "covers_gemm", "sign_mask",
+    "quantize_rowwise", "quantize_rowwise_columnwise", "block_values", "dequantize", "gemm",
 ]
 
 _INV6 = RCP_E2M1_MAX  # RN_fp32(1/6), passed to the kernels as an fp32 argument
@@ -108,7 +95,7 @@ class KernelOptions:
     Attributes:
         slices: use the 16-slice kernel for columnwise outputs whenever M % 16 == 0 (else the tile
             kernel with an in-register transpose).
-        fuse_row_col: :func:`fused_quantize_rowwise_columnwise` (1x16) writes both copies from one
+        fuse_row_col: :func:`quantize_rowwise_columnwise` (1x16) writes both copies from one
             kernel (True) or runs a rowwise and a columnwise kernel that read the input once each
             (False, the default: the kernels are instruction-bound, and on an H200 the fused kernel's
             register pressure made it slower than the two together: 222 vs 86 + 110 us at 8192² bf16).
@@ -122,6 +109,9 @@ class KernelOptions:
         e2m1_bits: E2M1 encode by float32 bit arithmetic (True) or by the 7 thresholds of TE's
             reference (False); identical codes.
         config: tile shapes and warps per kernel mode (read-only mappings).
+        interpret_on_cpu: in Triton's interpreter (``TRITON_INTERPRET=1``), run the kernels on CPU
+            tensors. Off by default: the interpreter is numpy, far slower than the PyTorch
+            reference; the CPU tests of the kernels turn it on.
     """
 
     slices: bool = True
@@ -130,6 +120,7 @@ class KernelOptions:
     rht_f64: bool = True
     cublas_alpha: bool = True
     e2m1_bits: bool = True
+    interpret_on_cpu: bool = False
     config: Mapping[str, Mapping[str, int]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({k: MappingProxyType(dict(v)) for k, v in _DEFAULT_CONFIG.items()}))
 
@@ -144,13 +135,16 @@ _DEFAULT_OPTIONS = KernelOptions()
 
 
 def options() -> KernelOptions:
-    """The :class:`KernelOptions` in force in this thread."""
-    return getattr(_state, "options", _DEFAULT_OPTIONS)
+    """The :class:`KernelOptions` in force (in every thread of the process)."""
+    return _state.options
 
 
 @contextlib.contextmanager
 def use_options(**changes: Any) -> Iterator[KernelOptions]:
-    """Within the block (this thread), run the kernels with ``options()`` changed by ``changes``.
+    """Within the block, run the kernels with ``options()`` changed by ``changes``.
+
+    The change holds for the whole process while the block runs, in every thread: autograd runs
+    a CUDA backward pass on its own thread, which must see the same options as the forward.
 
     ``config=`` may give only the modes to change (``config={"slices_both": dict(G=2, BK=512,
     num_warps=4)}``); the others keep their values.
@@ -164,18 +158,21 @@ def use_options(**changes: Any) -> Iterator[KernelOptions]:
         merged.update({k: dict(v) for k, v in changes["config"].items()})
         changes["config"] = MappingProxyType({k: MappingProxyType(v) for k, v in merged.items()})
     new = dataclasses.replace(current, **changes)
-    prev = getattr(_state, "options", None)
-    _state.options = new
+    prev, _state.options = _state.options, new
     try:
         yield new
     finally:
-        if prev is None:
-            del _state.options
-        else:
-            _state.options = prev
+        _state.options = prev
 
 
-_state = threading.local()
+class _State:
+    """Process-wide switches (not thread-local: autograd's backward thread must see them)."""
+
+    options: KernelOptions = _DEFAULT_OPTIONS
+    off: bool = False
+
+
+_state = _State()
 _KERNELS: Any = None
 _IMPORT_ERROR: Exception | None = None
 
@@ -202,22 +199,23 @@ def interpreter_mode() -> bool:
 
 
 def available(device: torch.device | str) -> bool:
-    """Whether the fast path can run on ``device`` (CUDA with Triton, or CPU in interpreter mode)."""
-    if os.environ.get("NVFP4LAB_DISABLE_KERNELS", "0") not in ("", "0") or getattr(_state, "off", False):
+    """Whether the kernels run on ``device``: CUDA with Triton; CPU only in Triton's interpreter with
+    ``options().interpret_on_cpu``; never inside :func:`disabled` or with ``NVFP4LAB_DISABLE_KERNELS=1``."""
+    if os.environ.get("NVFP4LAB_DISABLE_KERNELS", "0") not in ("", "0") or _state.off:
         return False
     if _kernels() is None:
         return False
     dev = torch.device(device)
     if interpreter_mode():
-        return dev.type == "cpu"
+        return dev.type == "cpu" and options().interpret_on_cpu
     return dev.type == "cuda"
 
 
 @contextlib.contextmanager
 def disabled() -> Iterator[None]:
-    """Within the block (this thread), every fast-path function returns ``None`` / falls back."""
-    prev = getattr(_state, "off", False)
-    _state.off = True
+    """Within the block, the kernels are off (in every thread, as :func:`use_options`): every
+    caller takes the reference path."""
+    prev, _state.off = _state.off, True
     try:
         yield
     finally:
@@ -225,8 +223,12 @@ def disabled() -> Iterator[None]:
 
 
 # ----------------------------------------------------------------------------- helpers
-def _sign_mask(rht_signs) -> int | None:
-    """RHT sign vector -> bit mask (bit i set where s_i = -1); None if invalid."""
+def sign_mask(rht_signs: torch.Tensor | None) -> int | None:
+    """The RHT's 16 signs as the kernels' bit mask (bit i set where s_i = -1).
+
+    ``None`` (the plain Hadamard matrix) gives 0; a vector that is not 16 values of ±1 gives
+    ``None`` (the kernels do not take it; the reference does).
+    """
     if rht_signs is None:
         return 0
     if rht_signs is WGRAD_SIGNS:
@@ -235,25 +237,6 @@ def _sign_mask(rht_signs) -> int | None:
     if len(s) != RHT_SIZE or any(v not in (1.0, -1.0) for v in s):
         return None
     return sum(1 << i for i, v in enumerate(s) if v == -1.0)
-
-
-def _signs_tensor(rht_signs):
-    return None if rht_signs is None else torch.as_tensor(rht_signs, dtype=torch.float32)
-
-
-def _amax_tensor(amax, device) -> torch.Tensor | None:
-    """User amax -> 0-d fp32 tensor on ``device`` (None if invalid; no sync for tensors)."""
-    if isinstance(amax, torch.Tensor):
-        if amax.numel() != 1:
-            return None
-        return amax.detach().to(device=device, dtype=torch.float32).reshape(())
-    try:
-        a = float(amax)
-    except (TypeError, ValueError):
-        return None
-    if math.isnan(a) or a < 0:
-        return None
-    return torch.full((), a, dtype=torch.float32, device=device)  # a fill kernel, no host-to-device copy
 
 
 def _as_2d(x: torch.Tensor) -> torch.Tensor:
@@ -270,7 +253,14 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 
 def _seeds(generator, device) -> torch.Tensor:
-    """Two 63-bit Philox seeds drawn from ``generator`` (default: ``device``'s default generator)."""
+    """Two 63-bit Philox keys (rowwise, columnwise) on ``device``: from an :class:`~nvfp4lab.rounding.SRStream`
+    (device operations only, capturable), else drawn from ``generator`` (default: ``device``'s
+    default generator; a CUDA graph captures that one, other generators must be registered with it)."""
+    if isinstance(generator, SRStream):
+        if generator.device != torch.device(device):
+            raise ValueError(f"the SRStream lives on {generator.device}, the tensor on {device}: "
+                             "make the stream on the tensor's device (SRStream.to)")
+        return generator.seeds()
     if generator is None:
         return torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
     s = torch.randint(0, 2**62, (2,), generator=generator, device=generator.device, dtype=torch.int64)
@@ -283,18 +273,6 @@ def _cdiv(a: int, b: int) -> int:
 
 def _launch_opts() -> dict:
     return {} if interpreter_mode() else {"enable_fp_fusion": False}
-
-
-def _check_common(x, block, rounding) -> bool:
-    if not isinstance(x, torch.Tensor) or not available(x.device):
-        return False
-    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-        return False
-    if block not in ("1d", "2d") or rounding not in ("nearest", "stochastic"):
-        return False
-    if x.dim() == 0 or x.numel() == 0:
-        return False
-    return True
 
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
@@ -414,159 +392,139 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
 
 
 # ----------------------------------------------------------------------------- public API
-def quantize_fast(
-    x: torch.Tensor,
-    *,
-    block: str = "1d",
-    rht: bool = False,
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    amax: torch.Tensor | float | None = None,
-    rht_signs: torch.Tensor | None = WGRAD_SIGNS,
-) -> NVFP4Tensor | None:
-    """Triton version of :func:`nvfp4lab.quantize.quantize` (same arguments and result).
+def covers_quantize(x: torch.Tensor, *, block: str, rounding: str, rht: bool, sign_mask: int | None) -> bool:
+    """Whether :func:`quantize_rowwise` computes ``quantize(x, ...)`` for these options.
 
-    Returns ``None`` when the fast path does not apply, so the caller uses the reference:
-    not CUDA (and not interpreter mode on CPU), Triton missing or kernels disabled, dtype not
-    fp32/bf16/fp16 (fp16 with ``rht`` too), a 0-d or empty input, an invalid option or an
-    input the reference rejects (``rht`` with ``K % 16``, ``block="2d"`` on 1-D, bad
-    ``amax`` number or signs). NaN is not checked (see the package docstring).
-
-    Round-to-nearest results are bit-identical to :func:`~nvfp4lab.quantize.quantize`
-    (packed data, scale bytes, amax). Stochastic rounding uses Philox4x32-7
-    (``tl.randint4x``) seeded by two int64 draws from ``generator`` (or the device's default
-    generator), one draw per 16-element block, 8 random bits per element as Blackwell's
-    ``cvt.rs`` (TE): the reference's distribution (each code is one of the two bracketing grid
-    points, the probability of rounding up within 2^-9 + 2^-16 of the exact one and unbiased on
-    average), not the same bits.
-
-    Non-contiguous inputs work through their strides; a transposed 2-D view (``y.t()`` of a
-    contiguous ``y``) takes the columnwise kernel so its loads stay coalesced.
+    ``x`` [..., K] must be float32/bfloat16/float16 on a device the kernels run on
+    (:func:`available`), non-empty and at least 1-D (2-D for ``block="2d"``); the RHT needs
+    ``K % 16 == 0``, a valid sign mask and no float16 input. The caller (``nvfp4lab.quantize``,
+    the only one that decides between these kernels and the reference) has already validated
+    the options themselves.
     """
-    if not _check_common(x, block, rounding):
-        return None
+    if not isinstance(x, torch.Tensor) or not available(x.device):
+        return False
+    if block not in ("1d", "2d") or rounding not in ("nearest", "stochastic"):
+        return False
+    if x.dtype not in (torch.float32, torch.bfloat16, torch.float16) or x.dim() == 0 or x.numel() == 0:
+        return False
     if block == "2d" and x.dim() < 2:
-        return None
-    K = x.shape[-1]
-    if rht and (K % RHT_SIZE or x.dtype == torch.float16):
-        return None
-    mask = _sign_mask(rht_signs) if rht else 0
-    if mask is None:
-        return None
-    a = None
-    if amax is not None:
-        a = _amax_tensor(amax, x.device)
-        if a is None:
-            return None
+        return False
+    if rht and (x.shape[-1] % RHT_SIZE or sign_mask is None or x.dtype == torch.float16):
+        return False
+    return True
+
+
+def covers_rowwise_columnwise(x: torch.Tensor, *, block: str, rounding: str, rht: bool,
+                              sign_mask: int | None) -> bool:
+    """Whether :func:`quantize_rowwise_columnwise` computes both copies of ``x`` [..., K].
+
+    As :func:`covers_quantize` for the rowwise copy (never RHT'd), plus: ``x`` at least 2-D;
+    a columnwise RHT needs ``M % 16 == 0`` (M = rows of ``x`` flattened) and no float16 input;
+    ``block="2d"`` takes neither the RHT nor SR.
+    """
+    if not covers_quantize(x, block=block, rounding=rounding, rht=False, sign_mask=0) or x.dim() < 2:
+        return False
+    if rht and (math.prod(x.shape[:-1]) % RHT_SIZE or sign_mask is None or x.dtype == torch.float16):
+        return False
+    if block == "2d" and (rht or rounding == "stochastic"):
+        return False
+    return True
+
+
+def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False,
+                     sign_mask: int = 0, generator: torch.Generator | None = None,
+                     amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """NVFP4 codes, block scales and amax of ``x`` [..., K] quantized along ``K``.
+
+    The kernels behind ``nvfp4lab.quantize(x, block=, rht=, rounding=, amax=)``: one amax
+    kernel (unless ``amax``, a 0-d float32 tensor on ``x``'s device, is given), then one
+    quantize kernel. A transposed view (``x = y.t()``, ``y`` contiguous) is read in place
+    through the columnwise kernel. Call only where :func:`covers_quantize` is true.
+
+    Returns:
+        ``(data, scale, amax)``: ``uint8 [M, ceil(K/2)]`` packed E2M1 codes (low nibble first),
+        ``float8_e4m3fn`` block scales (``[M, ceil(K/16)]``, or ``[ceil(M/16), ceil(K/16)]``
+        with ``block2d``) and the float32 0-d amax (post-RHT with ``rht``), as plain tensors.
+        No NaN scan: a NaN in ``x`` gives a NaN amax and unspecified codes.
+    """
     x2 = _as_2d(x)
     M = x2.shape[0]
-    sr = rounding == "stochastic"
-    block2d = block == "2d"
-    transposed = x2.stride(1) != 1 and x2.stride(0) == 1 and M > 1
-    if transposed:
+    if x2.stride(1) != 1 and x2.stride(0) == 1 and M > 1:
         # x2 = y.t() with y [K, M] contiguous: quantize x2 along K == columnwise of y along its rows
-        y = x2.t()
         _, _, _, data, scale, amax_t, _, _ = _run(
-            y, row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=mask,
-            generator=generator, amax_row=a if block2d else None, amax_col=a)
+            x2.t(), row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
+            generator=generator, amax_row=amax if block2d else None, amax_col=amax)
     else:
         data, scale, amax_t, _, _, _, _, _ = _run(
-            x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=mask,
-            generator=generator, amax_row=a, amax_col=None)
-    return NVFP4Tensor(data=data, scale=scale, amax=amax_t, shape=x.shape, block=block, dtype=x.dtype,
-                       rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding)
+            x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=sign_mask,
+            generator=generator, amax_row=amax, amax_col=None)
+    return data, scale, amax_t
 
 
-def fused_quantize_rowwise_columnwise(
-    x: torch.Tensor,
-    *,
-    block: str = "1d",
-    rht: bool = False,
-    rounding: str = "nearest",
-    generator: torch.Generator | None = None,
-    amax: torch.Tensor | float | None = None,
-    amax_t: torch.Tensor | float | None = None,
-    rht_signs: torch.Tensor | None = WGRAD_SIGNS,
-    fallback: bool = True,
-    values: tuple[bool, bool] = (False, False),
-) -> tuple[NVFP4Tensor, NVFP4Tensor] | None:
-    """Both NVFP4 copies a training step needs, from one read of ``x`` per pass.
+def quantize_rowwise_columnwise(
+    x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False, sign_mask: int = 0,
+    generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
+    amax_t: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
+) -> tuple[torch.Tensor | None, ...]:
+    """Both NVFP4 copies a training step needs from ``x`` [..., K], one read of ``x`` per kernel.
 
-    Equivalent to ``(quantize(x, block=block, rounding=rounding, amax=amax),
-    quantize(x2d.t(), block=block, rht=rht, rounding=rounding, amax=amax_t, rht_signs=rht_signs))``
-    with ``x2d = x.reshape(-1, K)``: the rowwise copy (blocks along ``K``, never RHT'd, as in
-    TE) and the columnwise copy (``x2dᵀ`` quantized along the token axis ``M``, with the RHT
-    along ``M`` when ``rht``; its own post-RHT amax). With ``block="2d"`` the columnwise copy
-    is the exact transpose of the rowwise one (same tiles and amax) and ``rht`` must be False.
-
-    One amax kernel (computing the rowwise amax and, with ``rht``, the columnwise post-RHT
-    amax) and one quantize kernel that writes both outputs. SR draws independent streams for
-    the two copies, as two ``quantize`` calls would.
+    The rowwise copy (blocks along ``K``, never RHT'd, as in TE) and the columnwise copy
+    (``x2dᵀ`` quantized along the token axis ``M``, with the RHT along ``M`` when ``rht``, and
+    its own post-RHT amax); with ``block2d`` the columnwise copy is the exact transpose of the
+    rowwise one (same tiles, same amax). One amax kernel (skipped when ``amax``/``amax_t``,
+    0-d float32 tensors, are given) and one or two quantize kernels
+    (:attr:`KernelOptions.fuse_row_col`). SR draws independent streams for the two copies.
+    Call only where :func:`covers_rowwise_columnwise` is true.
 
     Args:
-        amax, amax_t: optional precomputed amaxes of the rowwise and columnwise copies.
-        fallback: when the fast path does not apply, compute the pair with the reference
-            :func:`~nvfp4lab.quantize.quantize` (default) instead of returning ``None``.
-        values: (rowwise, columnwise): also write that copy's BF16 block values
-            (``NVFP4Tensor.values_bf16``, which :func:`block_values_bf16` then returns) from the
-            same kernel, where the kernel that runs can (rowwise: 1x16 with K % 16 == 0, or 2D;
-            columnwise: M % 16 == 0); otherwise the field stays ``None``. With ``block="2d"``
-            the rowwise values serve the columnwise copy too, as a transposed view.
+        values: (rowwise, columnwise): also write that copy's BF16 block values where the kernel
+            that runs can (rowwise: 1x16 with ``K % 16 == 0``, or 2D; columnwise: ``M % 16 == 0``).
+
+    Returns:
+        ``(data, scale, amax, data_t, scale_t, amax_t, values, values_t)``: as
+        :func:`quantize_rowwise` for each copy (the columnwise ``data_t`` is ``[K, ceil(M/2)]``),
+        then the BF16 block values ``[M, K]`` / ``[K, M]`` or ``None``.
     """
-    ok = _check_common(x, block, rounding) and x.dim() >= 2
-    M_all = math.prod(x.shape[:-1]) if x.dim() else 0
-    if ok and rht and (M_all % RHT_SIZE or x.dtype == torch.float16):
-        ok = False
-    if ok and block == "2d" and (rht or rounding == "stochastic"):
-        ok = False
-    mask = _sign_mask(rht_signs) if rht else 0
-    a = at = None
-    if ok and amax is not None:
-        a = _amax_tensor(amax, x.device)
-        ok = a is not None
-    if ok and amax_t is not None:
-        at = _amax_tensor(amax_t, x.device)
-        ok = at is not None
-    if not ok or mask is None:
-        if not fallback:
-            return None
-        x2d = x.reshape(-1, x.shape[-1])
-        return (quantize(x, block=block, rounding=rounding, generator=generator, amax=amax),
-                quantize(x2d.t(), block=block, rht=rht, rounding=rounding, generator=generator,
-                         amax=amax_t, rht_signs=rht_signs))
     x2 = _as_2d(x)
     if x2.stride(1) != 1 and x2.stride(0) == 1:
-        x2 = x2.contiguous()  # a transposed view: one copy, then the row-major fused kernel
-    M, K = x2.shape
-    block2d = block == "2d"
+        x2 = x2.contiguous()  # a transposed view: one copy, then the row-major kernels
     d, s, am, dt, st, amt, v, vt = _run(
-        x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d,
-        sr=rounding == "stochastic", mask=mask, generator=generator, amax_row=a, amax_col=at,
-        values=(bool(values[0]), bool(values[1])))
+        x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
+        generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])))
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
-    row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
-                      rht=False, rht_signs=None, rounding=rounding, values_bf16=v)
-    col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,
-                      rht=rht, rht_signs=_signs_tensor(rht_signs) if rht else None, rounding=rounding,
-                      values_bf16=vt)
-    return row, col
+    return d, s, am, dt, st, amt, v, vt
 
 
-def _decode(t: NVFP4Tensor, global_scale: bool, undo_rht: bool) -> torch.Tensor | None:
-    if not isinstance(t, NVFP4Tensor) or not available(t.device):
-        return None
-    M, K = t.rows, t.cols
-    if M * K == 0:
-        return None
-    mask = 0
-    if undo_rht:
-        mask = _sign_mask(t.rht_signs)
-        if mask is None:
-            return None
+def covers_decode(data: torch.Tensor, rows: int, cols: int, sign_mask: int | None) -> bool:
+    """Whether :func:`block_values` / :func:`dequantize` decode this packed tensor (non-empty, on
+    a device the kernels run on, with a valid sign mask when the RHT is to be undone)."""
+    return available(data.device) and rows * cols > 0 and sign_mask is not None
+
+
+def block_values(data: torch.Tensor, scale: torch.Tensor, rows: int, cols: int, *,
+                 block2d: bool = False) -> torch.Tensor:
+    """``code × E4M3 block scale`` as BF16 ``[rows, cols]`` (exact): the operand an NVFP4 tensor
+    core multiplies, without the per-tensor factor. ``data`` ``uint8 [rows, ceil(cols/2)]``,
+    ``scale`` ``float8_e4m3fn`` (1x16 or 16x16 layout per ``block2d``). Call only where
+    :func:`covers_decode` is true."""
+    return _decode(data, scale, None, rows, cols, block2d, global_scale=False, mask=0)
+
+
+def dequantize(data: torch.Tensor, scale: torch.Tensor, amax: torch.Tensor, rows: int, cols: int, *,
+               block2d: bool = False, undo_rht_mask: int | None = None) -> torch.Tensor:
+    """Decode to BF16 ``[rows, cols]``: ``RN(code · RN(RN(sf · amax) · RN(1/2688)))`` in FP32
+    (``sf`` alone when ``amax`` is not finite), the inverse RHT with these signs (FP64 butterfly
+    rounded to FP32) unless ``undo_rht_mask`` is ``None``, then RNE to BF16 — TE's
+    ``dequantize_nvfp4.cuh`` order. Call only where :func:`covers_decode` is true."""
+    return _decode(data, scale, amax, rows, cols, block2d, global_scale=True,
+                   mask=undo_rht_mask, undo_rht=undo_rht_mask is not None)
+
+
+def _decode(data, scale, amax, M, K, block2d, *, global_scale: bool, mask: int | None,
+            undo_rht: bool = False) -> torch.Tensor:
     k = _kernels()
-    out = torch.empty(M, K, dtype=torch.bfloat16, device=t.device)
-    data = t.data
+    out = torch.empty(M, K, dtype=torch.bfloat16, device=data.device)
     opts = options()
     config = opts.config
     if (opts.rows_kernel and not global_scale and not undo_rht and K % 16 == 0 and data.is_contiguous()
@@ -574,44 +532,19 @@ def _decode(t: NVFP4Tensor, global_scale: bool, undo_rht: bool) -> torch.Tensor 
         cfg = config["values"]
         BM, NB = cfg["BM"], cfg["NB"]
         k.block_values_rows_kernel[(_cdiv(M, BM), _cdiv(K // 16, NB))](
-            data.view(torch.int32), t.scale.view(torch.uint8), out.view(torch.int16), M, K,
-            K // 8, t.scale.stride(0), out.stride(0), BLOCK2D=t.block == "2d", BM=BM, NB=NB,
+            data.view(torch.int32), scale.view(torch.uint8), out.view(torch.int16), M, K,
+            K // 8, scale.stride(0), out.stride(0), BLOCK2D=block2d, BM=BM, NB=NB,
             num_warps=cfg["num_warps"], **_launch_opts())
         return out
     cfg = config["dequant"]
     BM, BK = cfg["BM"], cfg["BK"]
-    grid = (_cdiv(M, BM), _cdiv(K, BK))
-    k.dequantize_kernel[grid](
-        t.data, t.scale.view(torch.uint8), t.amax.reshape(1).to(torch.float32), out.view(torch.int16),
-        M, K, t.data.stride(0), t.scale.stride(0), out.stride(0), _INV2688,
-        BLOCK2D=t.block == "2d", GLOBAL=global_scale, UNDO_RHT=undo_rht, SIGN_MASK=mask, BM=BM, BK=BK,
+    amax_arg = out if amax is None else amax.reshape(1).to(torch.float32)  # unused pointer without GLOBAL
+    k.dequantize_kernel[(_cdiv(M, BM), _cdiv(K, BK))](
+        data, scale.view(torch.uint8), amax_arg, out.view(torch.int16),
+        M, K, data.stride(0), scale.stride(0), out.stride(0), _INV2688,
+        BLOCK2D=block2d, GLOBAL=global_scale, UNDO_RHT=undo_rht, SIGN_MASK=mask or 0, BM=BM, BK=BK,
         num_warps=cfg["num_warps"], **_launch_opts())
     return out
-
-
-def block_values_bf16(t: NVFP4Tensor) -> torch.Tensor:
-    """``code × E4M3 block scale`` as BF16 ``[M, K]`` (exact): :meth:`NVFP4Tensor.block_values`.
-
-    The operand an NVFP4 tensor core multiplies; the per-tensor factor is applied after the
-    GEMM (see :func:`nvfp4_matmul_fast`). Falls back to the reference off the fast path.
-    """
-    if isinstance(t, NVFP4Tensor) and t.values_bf16 is not None:
-        return t.values_bf16
-    out = _decode(t, global_scale=False, undo_rht=False)
-    return out if out is not None else t.block_values(torch.bfloat16)
-
-
-def dequantize_to_bf16(t: NVFP4Tensor, *, undo_rht: bool = True) -> torch.Tensor:
-    """:meth:`NVFP4Tensor.dequantize` to BF16, bit-identical, in one kernel (logical shape).
-
-    ``x̂ = RN(code · RN(RN(sf · amax) · RN(1/2688)))`` in FP32, the inverse RHT (FP64
-    butterfly rounded to FP32) when ``t.rht and undo_rht``, then RNE to BF16. Falls back to
-    the reference off the fast path.
-    """
-    out = _decode(t, global_scale=True, undo_rht=bool(t.rht and undo_rht))
-    if out is None:
-        return t.dequantize(torch.bfloat16, undo_rht=undo_rht)
-    return out.reshape(t.shape)
 
 
 def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -624,115 +557,50 @@ def _mm_fp32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
     return a.float() @ b.float().t()
 
 
-def _epilogue(acc: torch.Tensor, a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype,
-              bias: torch.Tensor | None) -> torch.Tensor:
-    """``cast(RN(RN(acc · alpha) + bias))`` in one kernel (FP32 or BF16 output), else the
-    reference's torch ops (:func:`nvfp4lab.quantize._gemm_epilogue`). ``bias`` was checked."""
-    M, N = acc.shape
-    if out_dtype in (torch.float32, torch.bfloat16) and acc.is_contiguous() and (
-            bias is None or bias.device == acc.device):
-        out = acc if out_dtype == torch.float32 else torch.empty(M, N, dtype=out_dtype, device=acc.device)
-        bf16 = out_dtype == torch.bfloat16
-        bias_c = None if bias is None else bias.contiguous()
-        BM, BN = 32, 128
-        _kernels().gemm_epilogue_kernel[(_cdiv(M, BM), _cdiv(N, BN))](
-            acc, a.amax.reshape(1).float(), b.amax.reshape(1).float(), acc if bias_c is None else bias_c,
-            out.view(torch.int16) if bf16 else out, M, N, acc.stride(0), N, _GEMM_FACTOR,
-            HAS_BIAS=bias is not None, OUT_BF16=bf16, BM=BM, BN=BN, num_warps=4, **_launch_opts())
-        return out
-    return _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias)
+def covers_gemm(device_a: torch.device, device_b: torch.device, out_dtype: torch.dtype,
+                bias: torch.Tensor | None) -> bool:
+    """Whether :func:`gemm` runs this GEMM: both operands on one device the kernels run on, an
+    FP32 or BF16 output, and a bias (if any) on that device."""
+    return (device_a == device_b and available(device_a) and out_dtype in (torch.float32, torch.bfloat16)
+            and (bias is None or bias.device == device_a))
 
 
-def nvfp4_matmul_fast(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32,
-                      bias: torch.Tensor | None = None) -> torch.Tensor:
-    """:func:`nvfp4lab.quantize.nvfp4_matmul` through BF16 block values and cuBLAS.
+def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
+         out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The emulated NVFP4 GEMM ``cast(RN(RN(acc · alpha) + bias))`` from BF16 block values.
 
-    ``code × block scale`` is exact in BF16, so a BF16 GEMM with FP32 accumulation
-    (``torch.mm(..., out_dtype=torch.float32)``) computes the same sum up to FP32 accumulation
-    order; ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` is applied in FP32, ``bias`` (FP32)
-    added and the sum rounded once to ``out_dtype``, the reference's operations in its order.
-    Without a bias (and with ``options().cublas_alpha``), cuBLAS applies alpha itself, read from device
-    memory, and writes ``out_dtype`` directly (:mod:`nvfp4lab.kernels.cublas`); otherwise the
-    GEMM writes FP32 and one epilogue kernel does the rest. Same checks and errors as the
-    reference.
+    ``a_values`` [M, K] and ``b_values`` [N, K] are the BF16 block values (``code × block
+    scale``, exact in BF16), so a BF16 GEMM with FP32 accumulation computes the product up to
+    FP32 accumulation order; ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` (``amax_*``
+    0-d float32) is applied in FP32, the ``bias`` [N] added in FP32 and the sum rounded once to
+    ``out_dtype`` (float32 or bfloat16) — the order of the reference
+    ``nvfp4lab.quantize.nvfp4_matmul``. Without a bias (and with ``options().cublas_alpha``)
+    cuBLAS applies alpha itself, read from device memory (:mod:`nvfp4lab.kernels.cublas`);
+    otherwise the GEMM writes FP32 and one epilogue kernel does the rest. Call only where
+    :func:`covers_gemm` is true.
 
     A fused GEMM reading the packed FP4 operands was not written: the emulation's GEMM is
-    compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM
-    would have to match cuBLAS's BF16 rate while decoding in its main loop; the decode here
-    costs one extra memory pass per operand (see the benchmark).
+    compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM would
+    have to match cuBLAS's BF16 rate while decoding in its main loop.
     """
-    _check_bias(bias, b.rows)
-    if a.cols != b.cols or a.rht != b.rht or (
-        a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
-    ):
-        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)  # raises the reference's ValueError
-    if not (available(a.device) and available(b.device)):
-        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
-    va, vb = block_values_bf16(a), block_values_bf16(b)
-    if options().cublas_alpha and bias is None and out_dtype in (torch.float32, torch.bfloat16) and va.is_cuda:
+    am_a, am_b = amax_a.reshape(1).float(), amax_b.reshape(1).float()
+    if options().cublas_alpha and bias is None and a_values.is_cuda:
         from . import cublas
 
         if cublas.available():
-            coef = torch.empty(2, dtype=torch.float32, device=va.device)
-            _kernels().gemm_alpha_kernel[(1,)](a.amax.reshape(1).float(), b.amax.reshape(1).float(), coef,
-                                               _GEMM_FACTOR, num_warps=1, **_launch_opts())
-            out = cublas.gemm_device_alpha(va, vb, coef, out_dtype)
+            coef = torch.empty(2, dtype=torch.float32, device=a_values.device)
+            _kernels().gemm_alpha_kernel[(1,)](am_a, am_b, coef, _GEMM_FACTOR, num_warps=1, **_launch_opts())
+            out = cublas.gemm_device_alpha(a_values, b_values, coef, out_dtype)
             if out is not None:
                 return out
-    return _epilogue(_mm_fp32(va, vb), a, b, out_dtype, bias)
-
-
-def quantize_pair_fast(x: torch.Tensor, row: dict[str, Any] | None, col: dict[str, Any] | None = None, *,
-                       generator: torch.Generator | None = None,
-                       values: tuple[bool, bool] = (False, False)) -> tuple[Any, Any] | None:
-    """The rowwise and columnwise NVFP4 copies of ``x`` [M, K] for one training step, or ``None``.
-
-    ``row``, ``col``: :meth:`nvfp4lab.recipe.NVFP4Recipe.quantize_options` of the two roles
-    (``col`` ``None``: only the rowwise copy). Returns ``(quantize(x, **row),
-    quantize(x.t(), **col))`` computed by :func:`fused_quantize_rowwise_columnwise`
-    (``(row, None)`` by :func:`quantize_fast` when ``col`` is ``None``), or ``None`` when
-    the fast path does not apply: options the fused kernels do not cover (the two copies must
-    share ``block`` and ``rounding``, and only the columnwise copy may use the RHT), an RHT with
-    ``M % 16 != 0``, or the device (see :func:`available`). No NaN scan and so no host
-    synchronisation: a NaN in ``x`` makes the amaxes NaN, which makes every GEMM output using
-    these operands NaN (:func:`nvfp4_matmul_fast`'s per-tensor factor). ``values``: see
-    :func:`fused_quantize_rowwise_columnwise` (applies to the pair only).
-    """
-    if row is None or row.get("rht", False):
-        return None
-    if col is None:
-        return quantize_fast(x, generator=generator, **row), None
-    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
-    if (col.get("block", "1d"), col.get("rounding", "nearest")) != (block, rounding):
-        return None
-    if row.get("amax") is not None or col.get("amax") is not None:
-        return None
-    return fused_quantize_rowwise_columnwise(
-        x, block=block, rht=bool(col.get("rht", False)), rounding=rounding, generator=generator,
-        rht_signs=col.get("rht_signs", WGRAD_SIGNS), fallback=False, values=values)
-
-
-class TritonGemmQuantizer:
-    """:class:`nvfp4lab.linear.GemmQuantizer` using these kernels (reference fallback).
-
-    ``NVFP4Linear(..., quantizer=TritonGemmQuantizer())`` or ``convert_model(...,
-    quantizer=TritonGemmQuantizer())``. ``quantize`` returns what
-    :func:`~nvfp4lab.quantize.quantize` returns (bit-identical for RNE); ``quantize_pair`` is
-    :func:`quantize_pair_fast`; ``matmul`` is :func:`nvfp4_matmul_fast`. Unlike the default
-    :class:`~nvfp4lab.linear.NVFP4GemmQuantizer`, which takes the kernels on CUDA only, this one
-    also takes them on CPU in Triton's interpreter (how the CPU tests run the fast layer path).
-    """
-
-    name = "nvfp4-triton"
-
-    def quantize(self, x: torch.Tensor, **options: Any):
-        q = quantize_fast(x, **options)
-        return q if q is not None else quantize(x, **options)
-
-    def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
-                      generator: torch.Generator | None = None, values: tuple[bool, bool] = (False, False)):
-        return quantize_pair_fast(x, row, col, generator=generator, values=values)
-
-    def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return nvfp4_matmul_fast(a, b, out_dtype=out_dtype, bias=bias)
+    acc = _mm_fp32(a_values, b_values)
+    M, N = acc.shape
+    out = acc if out_dtype == torch.float32 else torch.empty(M, N, dtype=out_dtype, device=acc.device)
+    bf16 = out_dtype == torch.bfloat16
+    bias_c = None if bias is None else bias.contiguous()
+    BM, BN = 32, 128
+    _kernels().gemm_epilogue_kernel[(_cdiv(M, BM), _cdiv(N, BN))](
+        acc, am_a, am_b, acc if bias_c is None else bias_c,
+        out.view(torch.int16) if bf16 else out, M, N, acc.stride(0), N, _GEMM_FACTOR,
+        HAS_BIAS=bias is not None, OUT_BF16=bf16, BM=BM, BN=BN, num_warps=4, **_launch_opts())
+    return out

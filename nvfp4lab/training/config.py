@@ -86,6 +86,10 @@ class TrainConfig:
     AdamW step too (fused AdamW with a device learning rate); a non-finite loss or gradient norm
     sets the optimizer's ``found_inf`` inside the graph, which makes the fused kernel skip the update
     (as ``torch.amp.GradScaler`` does), so stop/skip keep their meaning.
+    ``compile`` (nvfp4lab backend): the training forward and backward run through
+    ``torch.compile(model)``; NVFP4 layers are two custom ops to it (the eager numerics, no graph
+    break), the rest is compiled by Inductor. Evaluation runs the same model eagerly. With
+    ``cuda_graph`` the compiled step is what the graph captures.
     Throughput: ``tokens_per_s`` of the result excludes the first ``timing_warmup_steps`` steps of
     the session (None: ``min(10, steps // 5)``): warm-up, graph capture, Triton compilation; the
     all-steps figure and the warm-up time are reported beside it.
@@ -131,6 +135,7 @@ class TrainConfig:
     progress: bool | None = None
     plot: bool = True
     cuda_graph: bool = False
+    compile: bool = False
     schedule_steps: int | None = None
     extend_schedule: bool = False
     graph_optimizer: bool = False
@@ -213,6 +218,11 @@ class TrainConfig:
         if self.cuda_graph and (self.backend != "nvfp4lab" or not str(self.device).startswith("cuda")):
             raise ValueError(f"cuda_graph needs the nvfp4lab backend on a CUDA device, got backend "
                              f"{self.backend!r} on {self.device!r} (TE models: te.make_graphed_callables)")
+        if not isinstance(self.compile, bool):
+            raise ValueError(f"TrainConfig.compile must be a bool, got {self.compile!r}")
+        if self.compile and self.backend != "nvfp4lab":
+            raise ValueError("compile needs the nvfp4lab backend (compile a TE model yourself; TE documents "
+                             "which of its modules torch.compile supports)")
         require_device(self.device)
         self.model_config()  # shape checks
 

@@ -21,6 +21,7 @@ from ..fp8_recipes import DELAYED_SCALING_BUFFERS
 from ..linear import block_recipe_for, convert_model, layer_precisions, set_quantization_enabled
 from ..model import GPT
 from ..provenance import environment
+from ..rounding import SRStream
 from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
 from .config import TrainConfig, lr_at
 from .report import CompareResult, RunResult, format_table, plot_compare, plot_metrics, read_jsonl, write_json
@@ -43,6 +44,8 @@ class NonFiniteError(RuntimeError):
 
 
 def rss_bytes() -> int:
+    """This process's resident memory in bytes (``/proc/self/statm``; elsewhere the
+    process-lifetime peak from ``resource.getrusage``): the CPU runs' memory figure."""
     try:
         with open("/proc/self/statm") as f:
             return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
@@ -147,7 +150,7 @@ def train(config: TrainConfig) -> RunResult:
 
     # model and precision; all randomness derives from the seed
     torch.manual_seed(cfg.seed)
-    sr_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003)
+    sr_gen = SRStream(cfg.seed + 1_000_003, device)  # device-resident: CUDA graphs replay fresh draws
     data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
     if cfg.backend == "te":
         # Raises TransformerEngineUnavailable / NVFP4NotSupported (with the fallbacks) up front.
@@ -195,10 +198,11 @@ def train(config: TrainConfig) -> RunResult:
         rng = saved["rng"]
         torch.set_rng_state(rng["torch"])
         data_gen.set_state(rng["data"])
-        # The SR generator's state is device-specific (CPU Mersenne Twister vs CUDA Philox); it is
-        # restored when the device type matches, otherwise the generator stays freshly seeded.
-        if rng.get("sr") is not None and rng.get("sr_device", "cpu") == device.type:
-            sr_gen.set_state(rng["sr"])
+        # The SR stream's state ([key, counter], int64) is the same on every device. (Checkpoints of
+        # an older format held a torch.Generator state, device-specific: the stream then stays fresh.)
+        sr_state = rng.get("sr")
+        if sr_state is not None and sr_state.dtype == torch.int64 and tuple(sr_state.shape) == (2,):
+            sr_gen.set_state(sr_state)
         best_val = saved.get("best_val_loss")
         skipped = int(saved.get("skipped_steps", 0))
         val_curve = [list(v) for v in saved.get("val_curve", [])]
@@ -250,7 +254,7 @@ def train(config: TrainConfig) -> RunResult:
             "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
             "optimizer": _portable(optimizer.state_dict()),
             "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
-                    "sr": sr_gen.get_state(), "sr_device": device.type},
+                    "sr": sr_gen.get_state()},
             "config": cfg.to_dict(),
             "data": data_info,
             "best_val_loss": best_val,
@@ -308,8 +312,9 @@ def train(config: TrainConfig) -> RunResult:
     progress_line = _ProgressLines(cfg.steps, tokens_per_step) if cfg.progress == "lines" else None
     model.train()
     cooled = False
-    graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
-                          (sr_gen,) if cfg.precision == "nvfp4" else (),
+    step_model = torch.compile(model) if cfg.compile else model  # evaluation stays eager
+    graphed = GraphedStep(step_model, params, cfg.precision, device, cfg.grad_clip,
+                          (),  # the SR stream needs no registration (its state is a device tensor)
                           optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
     timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
     step_times: list[float] = []
@@ -356,7 +361,7 @@ def train(config: TrainConfig) -> RunResult:
                 with torch.cuda.stream(side) if side is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
                     with autocast_for(cfg.precision, device):
-                        _, loss = model(x, y)
+                        _, loss = step_model(x, y)
                     loss_val = float(loss.detach())
                     if not math.isfinite(loss_val):
                         bad = "loss"

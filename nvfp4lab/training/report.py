@@ -19,15 +19,19 @@ __all__ = ["RunResult", "CompareResult", "format_table", "draw_val_curves", "plo
 class RunResult:
     """Outcome of :func:`train` (also written to ``<out>/run.json``).
 
-    status : "completed" or "stopped_nonfinite". Losses are mean cross-entropy in nats per
-    byte. ``val_curve`` is a list of ``[step, val_loss]``. ``tokens_per_s`` is the steady state:
-    training tokens over training time (validation excluded) of this session's steps after its
-    first ``timing_warmup_steps`` (warm-up, CUDA-graph capture, kernel compilation), whose time
-    is ``warmup_time_s``; ``tokens_per_s_all_steps`` counts every step, and ``step_ms_median`` is
-    the median steady-state step.
-    ``peak_memory_bytes`` is described by ``peak_memory_kind``. ``wall_time_s`` is this
-    session's time; ``total_wall_time_s`` adds the time of the sessions before a resume
-    (``resumed_from_step`` is None for a run that started at step 0).
+    Losses are mean cross-entropy in nats per byte.
+
+    Attributes:
+        status: ``"completed"`` or ``"stopped_nonfinite"``.
+        val_curve: a list of ``[step, val_loss]``.
+        tokens_per_s: the steady state: training tokens over training time (validation
+            excluded) of this session's steps after its first ``timing_warmup_steps`` (warm-up,
+            CUDA-graph capture, kernel compilation), whose time is ``warmup_time_s``;
+            ``tokens_per_s_all_steps`` counts every step, and ``step_ms_median`` is the median
+            steady-state step.
+        peak_memory_bytes: described by ``peak_memory_kind``.
+        wall_time_s: this session's time; ``total_wall_time_s`` adds the time of the sessions
+            before a resume (``resumed_from_step`` is ``None`` for a run that started at step 0).
     """
 
     name: str
@@ -78,6 +82,7 @@ class CompareResult:
 
 
 def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    """The records of a JSON-lines file (``metrics.jsonl``), ``[]`` when it does not exist."""
     if not path.exists():
         return []
     out = []
@@ -121,6 +126,8 @@ def plot_metrics(metrics_path: str | os.PathLike, png_path: str | os.PathLike, t
 
 
 def write_json(path: Path, data: Any) -> None:
+    """Write ``data`` as indented JSON atomically (a temporary file, then ``os.replace``): a
+    reader sees the old file or the new one, never half of one."""
     tmp = path.with_suffix(path.suffix + ".tmp")
     with open(tmp, "w") as f:
         json.dump(data, f, indent=2, default=str)

@@ -12,6 +12,8 @@ import torch.nn as nn
 __all__ = ["param_groups", "clip_and_norm", "autocast_for", "GraphedStep", "GRAPH_WARMUP_STEPS"]
 
 def param_groups(model: nn.Module, weight_decay: float) -> list[dict[str, Any]]:
+    """AdamW parameter groups: matrices (``dim >= 2``) decay with ``weight_decay``; biases, norms
+    and other vectors do not (nanoGPT's rule). Shared (tied) parameters appear once."""
     seen: set[int] = set()
     decay, no_decay = [], []
     for _, p in model.named_parameters():

@@ -16,10 +16,12 @@ pytestmark = pytest.mark.gpu
 triton = pytest.importorskip("triton")
 
 from nvfp4lab import kernels  # noqa: E402
+from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
 from nvfp4lab.testing import assert_nvfp4_equal
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.hadamard import random_hadamard_transform  # noqa: E402
-from nvfp4lab.quantize import block_encode_scales, nvfp4_matmul, quantize  # noqa: E402
+from nvfp4lab.quantize import (  # noqa: E402
+    block_encode_scales, nvfp4_matmul, quantize, quantize_rowwise_columnwise, uses_kernels)
 
 if not torch.cuda.is_available():  # conftest skips gpu tests too; keep module import cheap
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
@@ -44,6 +46,19 @@ def _ref(x, **kw):
         return quantize(x, **kw)
 
 
+def fast(x, **kw):
+    """``quantize(x, **kw)`` through the kernels (asserting that they cover these options)."""
+    assert uses_kernels(x, **kw), kw
+    return quantize(x, **kw)
+
+
+def pair(x, *, block="1d", rht=False, rounding="nearest", generator=None, values=(False, False)):
+    """Both copies through the fused kernels (None where they decline)."""
+    return quantize_rowwise_columnwise(x, dict(block=block, rounding=rounding),
+                                       dict(block=block, rht=rht, rounding=rounding),
+                                       generator=generator, values=values, fallback=False)
+
+
 _same = functools.partial(assert_nvfp4_equal, check_dtype=False)
 
 @pytest.mark.parametrize("shape", TE_SHAPES + ODD_SHAPES, ids=str)
@@ -52,9 +67,9 @@ _same = functools.partial(assert_nvfp4_equal, check_dtype=False)
 def test_quantize_fast_bit_exact(shape, dtype, block, rht):
     x = _x(shape, dtype, scale=3.0)
     if rht and shape[-1] % 16:
-        assert kernels.quantize_fast(x, rht=True) is None
+        assert not uses_kernels(x, rht=True)
         return
-    _same(kernels.quantize_fast(x, block=block, rht=rht), _ref(x, block=block, rht=rht))
+    _same(fast(x, block=block, rht=rht), _ref(x, block=block, rht=rht))
 
 
 @pytest.mark.parametrize("shape", TE_SHAPES + [(17, 33), (1000, 48)], ids=str)
@@ -63,11 +78,11 @@ def test_quantize_fast_bit_exact(shape, dtype, block, rht):
 def test_columnwise_and_fused_bit_exact(shape, dtype, block, rht):
     x = _x(shape, dtype, seed=1)
     if rht and shape[0] % 16:
-        assert kernels.fused_quantize_rowwise_columnwise(x, rht=True, fallback=False) is None
+        assert pair(x, rht=True) is None
         return
     ref_col = _ref(x.t(), block=block, rht=rht)
-    _same(kernels.quantize_fast(x.t(), block=block, rht=rht), ref_col)  # transposed view
-    row, col = kernels.fused_quantize_rowwise_columnwise(x, block=block, rht=rht, fallback=False)
+    _same(fast(x.t(), block=block, rht=rht), ref_col)  # transposed view
+    row, col = pair(x, block=block, rht=rht)
     _same(row, _ref(x, block=block))
     _same(col, ref_col)
 
@@ -78,7 +93,7 @@ def test_non_contiguous_and_special_values():
         for block, rht in CONFIGS:
             if rht and v.shape[-1] % 16:
                 continue
-            _same(kernels.quantize_fast(v, block=block, rht=rht), _ref(v, block=block, rht=rht))
+            _same(fast(v, block=block, rht=rht), _ref(v, block=block, rht=rht))
     y = _x((256, 256), torch.float32, seed=3)
     y[0, :16] = 0.0
     y[1, :16] = 1e-30  # underflowed block scale next to larger blocks: codes ±6, scale 0
@@ -86,13 +101,13 @@ def test_non_contiguous_and_special_values():
     y[3, 0] = -0.0
     y[4, :] = torch.finfo(torch.float32).tiny / 4  # denormals
     for block, rht in CONFIGS:
-        _same(kernels.quantize_fast(y, block=block, rht=rht), _ref(y, block=block, rht=rht))
+        _same(fast(y, block=block, rht=rht), _ref(y, block=block, rht=rht))
     z = torch.zeros(128, 128, device=DEV, dtype=torch.bfloat16)
-    _same(kernels.quantize_fast(z), _ref(z))
+    _same(fast(z), _ref(z))
     m = torch.full((128, 128), torch.finfo(torch.bfloat16).max, device=DEV, dtype=torch.bfloat16)
-    _same(kernels.quantize_fast(m), _ref(m))
+    _same(fast(m), _ref(m))
     for amax in (0.5, torch.tensor(1e-38, device=DEV)):
-        _same(kernels.quantize_fast(y, amax=amax), _ref(y, amax=amax))
+        _same(fast(y, amax=amax), _ref(y, amax=amax))
 
 
 @pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
@@ -103,15 +118,16 @@ def test_dequantize_bit_exact(block, rht, dtype):
     with kernels.disabled():
         ref_deq = q.dequantize(torch.bfloat16)
         ref_bv = q.block_values(torch.bfloat16)
-    assert torch.equal(kernels.dequantize_to_bf16(q), ref_deq)
-    assert torch.equal(kernels.block_values_bf16(q), ref_bv)
+    assert torch.equal(q.dequantize(torch.bfloat16), ref_deq)
+    assert torch.equal(q.block_values(torch.bfloat16), ref_bv)
 
 
 def test_matmul_fast_matches_reference():
-    a = kernels.quantize_fast(_x((2048, 4096), torch.bfloat16, seed=5))
-    b = kernels.quantize_fast(_x((1024, 4096), torch.bfloat16, seed=6), block="2d")
-    ref = nvfp4_matmul(a, b)  # fp32 GEMM of the exact block values
-    out = kernels.nvfp4_matmul_fast(a, b)
+    a = fast(_x((2048, 4096), torch.bfloat16, seed=5))
+    b = fast(_x((1024, 4096), torch.bfloat16, seed=6), block="2d")
+    with kernels.disabled():
+        ref = nvfp4_matmul(a, b)  # fp32 GEMM of the exact block values
+    out = nvfp4_matmul(a, b)
     assert out.dtype == torch.float32
     rel = ((out - ref).norm() / ref.norm()).item()
     assert rel < 1e-5, rel  # FP32 accumulation order only
@@ -124,7 +140,7 @@ def test_gemm_quantizer_in_nvfp4linear():
     recipe = NVFP4Recipe(disable_stochastic_rounding=True)
     torch.manual_seed(0)
     ref = linear.NVFP4Linear(512, 384, device=DEV, recipe=recipe)
-    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe, quantizer=kernels.TritonGemmQuantizer())
+    fast = linear.NVFP4Linear.from_linear(ref, recipe=recipe, quantizer=NVFP4GemmQuantizer())
     x = _x((4, 256, 512), torch.float32, seed=7).requires_grad_()
     with kernels.disabled():
         y_ref = ref(x)
@@ -139,7 +155,7 @@ def test_gemm_quantizer_in_nvfp4linear():
     for a, b in ((y, y_ref), (x.grad, g_ref[0]), (fast.weight.grad, g_ref[1])):
         assert ((a - b).norm() / b.norm()).item() < 1e-5
     # the full recipe (SR gradients) runs and is finite
-    full = linear.NVFP4Linear.from_linear(ref, quantizer=kernels.TritonGemmQuantizer())
+    full = linear.NVFP4Linear.from_linear(ref, quantizer=NVFP4GemmQuantizer())
     full(x.bfloat16()).float().sum().backward()
     assert torch.isfinite(full.weight.grad).all()
 
@@ -150,7 +166,7 @@ def test_gemm_quantizer_in_nvfp4linear():
                          ids=["1d", "1d-rht", "2d", "1d-rht-sr"])
 def test_block_values_written_with_the_codes(shape, dtype, kw):
     x = _x(shape, dtype, seed=12)
-    row, col = kernels.fused_quantize_rowwise_columnwise(x, fallback=False, values=(True, True), **kw)
+    row, col = pair(x, values=(True, True), **kw)
     for q in (row, col):
         assert q.values_bf16 is not None
         with kernels.disabled():
@@ -160,13 +176,14 @@ def test_block_values_written_with_the_codes(shape, dtype, kw):
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gemm_epilogue_bit_exact(out_dtype):
     """alpha, bias and the cast in one kernel == the reference's FP32 torch ops on the same acc."""
-    a = kernels.quantize_fast(_x((1024, 512), torch.bfloat16, seed=8))
-    b = kernels.quantize_fast(_x((768, 512), torch.float32, seed=9), block="2d")
-    acc = kernels._mm_fp32(kernels.block_values_bf16(a), kernels.block_values_bf16(b))
+    a = fast(_x((1024, 512), torch.bfloat16, seed=8))
+    b = fast(_x((768, 512), torch.float32, seed=9), block="2d")
+    va, vb = a.block_values(torch.bfloat16), b.block_values(torch.bfloat16)
+    acc = torch.mm(va, vb.t(), out_dtype=torch.float32)  # the GEMM kernels.gemm runs (deterministic)
     bias = _x((768,), torch.bfloat16, seed=10)
     alpha = (a.amax.float() * b.amax.float()) / torch.full((), 7225344.0, device=DEV)
     ref = (acc * alpha + bias.float()).to(out_dtype)
-    assert torch.equal(kernels._epilogue(acc.clone(), a, b, out_dtype, bias), ref)
+    assert torch.equal(kernels.gemm(va, vb, a.amax, b.amax, out_dtype, bias), ref)
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
@@ -205,16 +222,16 @@ def test_cublas_device_alpha_epilogue_bit_exact(out_dtype, layout):
 def test_matmul_fast_cublas_alpha_equals_epilogue_path(out_dtype):
     """nvfp4_matmul_fast with alpha in cuBLAS's epilogue == the FP32-output + epilogue-kernel path
     (up to FP32 accumulation order), and a NaN amax still makes every output NaN."""
-    a = kernels.quantize_fast(_x((2048, 1024), torch.bfloat16, seed=22))
-    b = kernels.quantize_fast(_x((768, 1024), torch.bfloat16, seed=23), block="2d")
-    out = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
+    a = fast(_x((2048, 1024), torch.bfloat16, seed=22))
+    b = fast(_x((768, 1024), torch.bfloat16, seed=23), block="2d")
+    out = nvfp4_matmul(a, b, out_dtype=out_dtype)
     with kernels.use_options(cublas_alpha=False):
-        ref = kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)
+        ref = nvfp4_matmul(a, b, out_dtype=out_dtype)
     assert out.dtype == ref.dtype == out_dtype
     rel = ((out.float() - ref.float()).norm() / ref.float().norm()).item()
     assert rel < (1e-5 if out_dtype == torch.float32 else 4e-3), rel
     a.amax.fill_(float("nan"))
-    assert torch.isnan(kernels.nvfp4_matmul_fast(a, b, out_dtype=out_dtype)).all()
+    assert torch.isnan(nvfp4_matmul(a, b, out_dtype=out_dtype)).all()
 
 
 def test_default_nvfp4linear_takes_the_fused_path(fused_pair_calls):
@@ -261,8 +278,8 @@ def _bracket(y):
 def test_sr_adjacency_and_mean_beats_rn_8192():
     """TE's test: every SR code brackets x/scale; the mean of 50 draws beats RN; draws differ."""
     x = _x((8192, 8192), torch.bfloat16, seed=8)
-    for make in (lambda **k: kernels.quantize_fast(x, **k),
-                 lambda **k: kernels.fused_quantize_rowwise_columnwise(x, rht=True, fallback=False, **k)[1]):
+    for make in (lambda **k: fast(x, **k),
+                 lambda **k: pair(x, rht=True, **k)[1]):
         rn = make()
         target = rn.dequantize(torch.float32, undo_rht=False)
         src = x.float() if not rn.rht else random_hadamard_transform(x.t().contiguous()).float()
@@ -291,7 +308,7 @@ def test_sr_unbiased_chi_square():
     n = 256
     x = _x((64, 1024), torch.bfloat16, seed=9)
     xr = x.repeat(n, 1)
-    q = kernels.quantize_fast(xr, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(1))
+    q = fast(xr, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(1))
     y = x.float().view(64, 64, 16) * block_encode_scales(q.scale[:64], q.amax)[:, :, None]
     a, lo, hi = _bracket(y.view(64, 1024))
     mag = decode_e2m1(q.codes()).abs().view(n, 64, 1024)
@@ -351,7 +368,7 @@ def test_rht_fp32_butterfly_mismatch_rate():
     x = _x((8192, 8192), torch.bfloat16, seed=11)
     ref = _ref(x.t(), rht=True)
     with kernels.use_options(rht_f64=False):
-        q = kernels.quantize_fast(x.t(), rht=True)
+        q = fast(x.t(), rht=True)
     differ = (q.codes() != ref.codes()).sum().item()
     print(f"FP32 butterfly: {differ} of {x.numel()} codes differ from the exact RHT")
     assert differ <= 1e-5 * x.numel()

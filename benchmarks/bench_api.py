@@ -1,0 +1,159 @@
+"""NVFP4 the way people call it: ``python benchmarks/bench_api.py [--out FILE] [--smoke] [--skip-training]``.
+
+Measured side by side in one run on one device and written with provenance to
+``results/api_speed_<cpu|cuda>.json`` (``--out`` to name it) (issue 17's table "how you call it -> what you get"):
+
+1. ``quantize``: the public call on an 8192² BF16 tensor made from Python each time (``eager``:
+   CUDA events around each call, its host read of the amax included), without the NaN/Inf check
+   (``check=False``), and the same call captured in a CUDA graph (``kernels``: the kernels' GPU time
+   alone); each also with the amax given. Against the one-pass limit: the input read once and the
+   codes and scales written once, at the copy bandwidth measured in the same run.
+2. ``linear``: ``NVFP4Linear`` forward+backward (the paper's recipe: RHT, SR gradients, 2D weights)
+   against BF16 ``nn.Linear`` in the same mode: eager, ``torch.compile`` and captured in the
+   user's own CUDA graph, at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape (768 -> 2304).
+3. ``training`` (unless ``--skip-training``): steady-state tokens/s of ``nvfp4lab.train`` on the
+   ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager, ``compile``, ``cuda_graph``
+   (with the optimizer in the graph).
+
+Timings come from :mod:`nvfp4lab.timing` (medians). ``--smoke`` runs tiny shapes on any device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4lab.capabilities import require_device  # noqa: E402
+from nvfp4lab.linear import NVFP4Linear  # noqa: E402
+from nvfp4lab.provenance import environment  # noqa: E402
+from nvfp4lab.quantize import quantize  # noqa: E402
+from nvfp4lab.timing import bench_ms, graph_ms, median_ms  # noqa: E402
+from nvfp4lab.training import TrainConfig, train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _log(*args: Any) -> None:
+    print("[bench_api]", *args, file=sys.stderr, flush=True)
+
+
+def bench_quantize(device: str, n: int) -> dict[str, Any]:
+    """Section 1: the public ``quantize`` call against its kernels and the one-pass limit."""
+    x = torch.randn(n, n, device=device).to(torch.bfloat16)
+    dst = torch.empty_like(x)
+    copy_ms = bench_ms(lambda: dst.copy_(x), device)
+    copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
+    one_pass_bytes = x.numel() * (x.element_size() + 0.5 + 1 / 16)   # read x; write codes + E4M3 scales
+    limit_ms = one_pass_bytes / copy_gbps / 1e6
+    amax = x.abs().amax().float()
+    calls: dict[str, Callable[[], Any]] = {
+        "quantize(x)": lambda: quantize(x),
+        "quantize(x, check=False)": lambda: quantize(x, check=False),
+        "quantize(x, amax=a)": lambda: quantize(x, amax=amax),
+        "quantize(x, amax=a, check=False)": lambda: quantize(x, amax=amax, check=False),
+    }
+    rows = []
+    for name, fn in calls.items():
+        eager = median_ms(fn, device, iters=50, warmup=3)
+        row = {"call": name, "eager_ms": eager, "eager_frac_one_pass": limit_ms / eager}
+        if device == "cuda" and "check=False" in name:
+            kern = graph_ms(fn)
+            row.update(kernels_ms=kern, kernels_frac_one_pass=limit_ms / kern, eager_over_kernels=eager / kern)
+        rows.append(row)
+        _log(row)
+    return {"n": n, "dtype": "bfloat16", "copy_GBps": copy_gbps, "one_pass_bytes": one_pass_bytes,
+            "one_pass_limit_ms": limit_ms, "calls": rows}
+
+
+def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Callable[[], Any]:
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        layer(x).backward(gy)
+    return step
+
+
+def bench_linear(device: str, shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
+    """Section 2: NVFP4Linear vs BF16 nn.Linear, forward+backward, eager / compiled / captured."""
+    rows = []
+    for M, K, N in shapes:
+        x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(M, N, device=device, dtype=torch.bfloat16)
+        make = {
+            "bf16_nn.Linear": lambda: torch.nn.Linear(K, N, bias=False, device=device, dtype=torch.bfloat16),
+            "nvfp4_NVFP4Linear": lambda: NVFP4Linear(K, N, bias=False, device=device, dtype=torch.bfloat16),
+        }
+        times: dict[str, dict[str, float | None]] = {}
+        for name, factory in make.items():
+            t: dict[str, float | None] = {}
+            t["eager"] = median_ms(_fwd_bwd(factory(), x, gy), device, iters=20, warmup=3)
+            torch._dynamo.reset()
+            t["compile"] = median_ms(_fwd_bwd(torch.compile(factory()), x, gy), device, iters=20, warmup=3)
+            t["captured"] = graph_ms(_fwd_bwd(factory(), x, gy)) if device == "cuda" else None
+            times[name] = t
+            _log(M, K, N, name, t)
+        bf, nv = times["bf16_nn.Linear"], times["nvfp4_NVFP4Linear"]
+        rows.append({"M": M, "K": K, "N": N, "ms": times,
+                     "vs_bf16": {mode: (nv[mode] / bf[mode] if nv[mode] and bf[mode] else None) for mode in nv}})
+    return rows
+
+
+def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]:
+    """Section 3: steady-state tokens/s of ``nvfp4lab.train``, NVFP4 vs BF16 in each mode."""
+    modes = {"eager": {}, "compile": {"compile": True},
+             "cuda_graph": {"cuda_graph": True, "graph_optimizer": device == "cuda"}}
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for mode, extra in modes.items():
+            if "cuda_graph" in extra and device != "cuda":
+                continue
+            tps = {}
+            for precision in ("bf16", "nvfp4"):
+                torch._dynamo.reset()
+                res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
+                                        out=f"{tmp}/{mode}-{precision}", progress=False, plot=False,
+                                        eval_interval=steps, checkpoint_interval=0, **extra))
+                tps[precision] = {"tokens_per_s": res.tokens_per_s, "warmup_time_s": res.to_dict().get("warmup_time_s"),
+                                  "final_val_loss": res.final_val_loss}
+                _log(mode, precision, tps[precision])
+            rows.append({"mode": mode, "preset": preset, "steps": steps, **tps,
+                         "nvfp4_vs_bf16": tps["nvfp4"]["tokens_per_s"] / tps["bf16"]["tokens_per_s"]})
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps (any device)")
+    ap.add_argument("--skip-training", action="store_true")
+    ap.add_argument("--steps", type=int, default=40, help="training steps per run (section 3)")
+    args = ap.parse_args(argv)
+    require_device(args.device)
+    device = torch.device(args.device).type
+    n = 256 if args.smoke else 8192
+    shapes = [(256, 128, 128)] if args.smoke else [(8192, 4096, 4096), (8192, 768, 2304)]
+    out = args.out or ROOT / "results" / ("api_speed_smoke.json" if args.smoke else f"api_speed_{device}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    result: dict[str, Any] = {"environment": environment(args.device)}
+    sections = {"quantize": lambda: bench_quantize(device, n), "linear": lambda: bench_linear(device, shapes)}
+    if not args.skip_training:
+        sections["training"] = lambda: bench_training(device, "ci" if args.smoke else "gpt2-small",
+                                                      8 if args.smoke else args.steps)
+    for name, run in sections.items():  # written after each section: a cut-off run keeps what it measured
+        result[name] = run()
+        out.write_text(json.dumps(result, indent=2) + "\n")
+        _log(f"wrote {out} ({name})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

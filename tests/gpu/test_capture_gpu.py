@@ -1,0 +1,105 @@
+"""The public API captured in the user's own ``torch.cuda.graph``: replays equal eager, bit for bit.
+
+Run on the GPU machine: ``pytest -m gpu tests/gpu/test_capture_gpu.py``. SR draws come from an
+:class:`nvfp4lab.rounding.SRStream` (the layers' default): the same stream state gives the same
+bits in eager code and in every replay, which draws fresh keys.
+"""
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+
+if not torch.cuda.is_available():
+    pytest.skip("needs a CUDA GPU", allow_module_level=True)
+
+from nvfp4lab.linear import NVFP4Linear  # noqa: E402
+from nvfp4lab.quantize import nvfp4_matmul, quantize, quantize_rowwise_columnwise  # noqa: E402
+from nvfp4lab.recipe import NVFP4Recipe  # noqa: E402
+from nvfp4lab.rounding import SRStream  # noqa: E402
+
+DEV = "cuda"
+
+
+def _x(shape, seed, dtype=torch.bfloat16):
+    g = torch.Generator(DEV).manual_seed(seed)
+    return torch.randn(shape, device=DEV, generator=g).to(dtype)
+
+
+def _capture(fn, warmup=2):
+    """Warm ``fn`` up on a side stream, capture it, return (graph, its static outputs)."""
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(warmup):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        out = fn()
+    return g, out
+
+
+def _parts(q):
+    return [q.data, q.scale.view(torch.uint8), q.amax]
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(rounding="stochastic"), dict(block="2d"), dict(rht=True)],
+                         ids=["rne", "sr", "2d", "rht"])
+def test_quantize_captured_replays_equal_eager(kw):
+    x = _x((1024, 2048), 0)
+    stream, twin = SRStream(7, DEV), SRStream(7, DEV)
+    g, q = _capture(lambda: quantize(x, generator=stream, **kw))
+    for _ in range(2):               # the warm-up calls (capturing records, it does not run)
+        quantize(x, generator=twin, **kw)
+    for _ in range(3):
+        g.replay()
+        ref = quantize(x, generator=twin, **kw)
+        for a, b in zip(_parts(q), _parts(ref)):
+            assert torch.equal(a, b), kw
+    assert torch.equal(stream.get_state(), twin.get_state())
+
+
+def test_pair_and_matmul_captured():
+    x, w = _x((2048, 1024), 1), _x((768, 1024), 2)
+    opts = dict(block="1d", rounding="stochastic"), dict(block="1d", rht=True, rounding="stochastic")
+    stream = SRStream(3, DEV)
+
+    def step():
+        row, col = quantize_rowwise_columnwise(x, *opts, generator=stream, values=(True, True))
+        qw = quantize(w, block="2d")
+        return nvfp4_matmul(row, qw, out_dtype=torch.bfloat16), col.data
+    g, (y, col_data) = _capture(step)
+    state = stream.get_state()
+    g.replay()
+    twin = SRStream(0, DEV).set_state(state)
+    row, col = quantize_rowwise_columnwise(x, *opts, generator=twin, values=(True, True))
+    assert torch.equal(col_data, col.data)
+    assert torch.equal(y, nvfp4_matmul(row, quantize(w, block="2d"), out_dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("recipe", [NVFP4Recipe(), NVFP4Recipe(disable_rht=True, disable_2d_quantization=True)],
+                         ids=["paper", "no-rht-1d"])
+def test_nvfp4linear_forward_backward_captured_by_the_user(recipe):
+    """The whole recipe (RHT, 2D weights, SR gradients) in the user's own graph: every replay's
+    Y, dX and dW equal an identical eager layer's from the same SR state."""
+    torch.manual_seed(0)
+    layer = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, recipe=recipe, seed=11)
+    twin = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, recipe=recipe, seed=11)
+    twin.load_state_dict(layer.state_dict())
+    x = _x((4, 512, 1024), 4).requires_grad_()
+    gy = _x((4, 512, 768), 5)
+
+    def step(m):
+        m.weight.grad = m.bias.grad = x.grad = None
+        y = m(x)
+        y.backward(gy)
+        return y, x.grad, m.weight.grad, m.bias.grad
+
+    g, static = _capture(lambda: step(layer))
+    for _ in range(2):  # the warm-up calls (capturing records, it does not run)
+        step(twin)
+    for _ in range(2):
+        g.replay()
+        for a, b in zip(static, step(twin)):
+            assert torch.equal(a, b)
