@@ -10,6 +10,8 @@ The numerics live in one module per concept:
 * :mod:`nvfp4lab.variants`  comparison quantizers (per-tensor FP4, any block size, MXFP4)
 * :mod:`nvfp4lab.recipe`, :mod:`nvfp4lab.linear`, :mod:`nvfp4lab.fp8`   the NVFP4 recipe, the
   emulated NVFP4 linear layer (Fprop/Dgrad/Wgrad as TE), FP8 current-scaling emulation
+* :mod:`nvfp4lab.fp8_recipes`, :mod:`nvfp4lab.mx`, :mod:`nvfp4lab.emulated`   FP8 block and delayed
+  scaling, MXFP8 and MXFP4 emulation, and the block-scaled tensor, GEMM and linear layer they share
 * :mod:`nvfp4lab.model`, :mod:`nvfp4lab.data`, :mod:`nvfp4lab.training`   a small GPT, the corpus, training
 * :mod:`nvfp4lab.capabilities` (the function ``nvfp4lab.probe``), :mod:`nvfp4lab.te`, :mod:`nvfp4lab.te_model`   hardware probe, Transformer Engine
 * :mod:`nvfp4lab.kernels`   Triton kernels used automatically on CUDA

@@ -280,10 +280,15 @@ def _register_train(subparsers) -> None:
 
     p = subparsers.add_parser("train", help="train the small GPT in one precision",
                               description="Train the small GPT on byte-level text in one precision.")
-    p.add_argument("--precision", choices=TE_BACKEND, default="nvfp4", metavar="PRECISION",
-                   help="bf16: autocast mixed precision; fp8 (= fp8-current): TE Float8CurrentScaling; nvfp4: TE "
-                        "NVFP4BlockScaling (default). The nvfp4lab backend emulates "
-                        f"{', '.join(EMULATED)}; --backend te also runs {', '.join(sorted(set(TE_BACKEND) - set(EMULATED)))}")
+    te_only = [n for n in TE_BACKEND if n not in EMULATED]
+    emulated_only = [n for n in EMULATED if n not in TE_BACKEND]
+    p.add_argument("--precision", choices=tuple(EMULATED) + tuple(te_only), default="nvfp4", metavar="PRECISION",
+                   help="bf16: autocast mixed precision; fp8 (= fp8-current): TE Float8CurrentScaling; fp8-delayed, "
+                        "fp8-block, mxfp8: TE DelayedScaling, Float8BlockScaling, MXFP8BlockScaling; mxfp4: MXFP4 "
+                        "(E2M1, E8M0 scales per 32; no TE recipe); nvfp4: TE NVFP4BlockScaling (default). The "
+                        f"nvfp4lab backend emulates {', '.join(EMULATED)}; --backend te runs "
+                        f"{', '.join(TE_BACKEND)} ({', '.join(te_only) or 'none'} only there, "
+                        f"{', '.join(emulated_only) or 'none'} not there)")
     p.add_argument("--backend", choices=("nvfp4lab", "te"), default="nvfp4lab",
                    help="nvfp4lab: exact emulation on any device (default); te: the same GPT from "
                         "Transformer Engine modules (CUDA; NVFP4 needs compute capability 10.0)")

@@ -35,6 +35,21 @@ __all__ = [
     "pack_fp4",
     "unpack_fp4",
     "to_e4m3",
+    "FP8_BLOCK_LEN",
+    "MX_BLOCK_SIZE",
+    "E8M0_BIAS",
+    "E8M0_NAN",
+    "E8M0_MIN_EXP",
+    "E8M0_MAX_EXP",
+    "E2M1_EMAX",
+    "E4M3_EMAX",
+    "E5M2_EMAX",
+    "RCP_E4M3_MAX",
+    "RCP_E5M2_MAX",
+    "e8m0_round_up",
+    "e8m0_from_exponent",
+    "e8m0_to_float",
+    "e8m0_inverse",
 ]
 
 #: The 8 non-negative E2M1 magnitudes, indexed by the 3-bit code (exponent, mantissa).
@@ -60,6 +75,28 @@ GEMM_ALPHA_DENOMINATOR = E2M1_MAX * E2M1_MAX * E4M3_MAX * E4M3_MAX
 RCP_E2M1_MAX = float(torch.tensor(1.0 / E2M1_MAX, dtype=torch.float32))
 #: RN_fp32(1/2688), the decode factor of :meth:`nvfp4lab.NVFP4Tensor.dequantize` (TE ``dequantize_nvfp4.cuh``).
 RCP_GLOBAL_SCALE_NUMERATOR = float(torch.tensor(1.0 / GLOBAL_SCALE_NUMERATOR, dtype=torch.float32))
+
+#: Block length of TE's ``Float8BlockScaling``: 1x128 vectors and 128x128 tiles
+#: (``Float8BlockQuantizer.block_len``, ``transformer_engine/pytorch/tensor/float8_blockwise_tensor.py``).
+FP8_BLOCK_LEN = 128
+#: Elements per MX block (OCP Microscaling Formats (MX) v1.0, section 5: k = 32; TE ``MXFP8BlockScaling``).
+MX_BLOCK_SIZE = 32
+#: E8M0 (the MX block scale) is an unsigned 8-bit exponent: code ``e`` means ``2**(e - 127)``, code 255 is NaN
+#: (OCP MX v1.0, section 5.4.1).
+E8M0_BIAS = 127
+E8M0_NAN = 255
+#: Smallest and largest unbiased exponents an E8M0 scale holds (codes 0 and 254).
+E8M0_MIN_EXP = -127
+E8M0_MAX_EXP = 127
+#: Exponent of the largest normal of each element format, ``emax_elem`` of OCP MX v1.0 section 6.3
+#: (E2M1: 6 = 1.5 * 2**2; E4M3: 448 = 1.75 * 2**8; E5M2: 57344 = 1.75 * 2**15).
+E2M1_EMAX = 2
+E4M3_EMAX = 8
+E5M2_EMAX = 15
+#: ``RN_fp32(1/448)`` and ``RN_fp32(1/57344)``: TE's ``Quantized_Limits<OType>::max_norm_rcp``
+#: (``transformer_engine/common/utils.cuh``), the factor MXFP8 multiplies the block amax by.
+RCP_E4M3_MAX = float(torch.tensor(1.0 / E4M3_MAX, dtype=torch.float32))
+RCP_E5M2_MAX = float(torch.tensor(1.0 / E5M2_MAX, dtype=torch.float32))
 
 # All 16 code points, code -> value. Code 8 is -0.0.
 _E2M1_TABLE = torch.cat([E2M1_VALUES, -E2M1_VALUES])
@@ -220,3 +257,79 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     """
     check_float_tensor(x)
     return x.float().clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+
+
+def e8m0_round_up(x: torch.Tensor) -> torch.Tensor:
+    """E8M0 code of a non-negative float32, rounded **up** to a power of two and saturated.
+
+    TE's ``ptx::float_to_e8m0`` (``transformer_engine/common/util/ptx_arch_spec.cuh``; on Blackwell
+    the PTX ``cvt.rp.satfinite.ue8m0x2.f32``), which MXFP8 applies to ``amax * RN(1/fp8_max)``:
+
+    * the code is the fp32 biased exponent, plus one when any mantissa bit is set (an exact
+      power of two keeps its exponent; anything just above goes one up);
+    * NaN gives 255; +Inf and values at or above ``2**127`` (biased exponent 254) give 254, the
+      largest finite code (satfinite);
+    * 0 gives code 0 (``2**-127``); an fp32 subnormal gives 0 if it is at most ``2**-127`` (mantissa
+      ``<= 0x400000``) and 1 (``2**-126``) otherwise.
+
+    Args:
+        x: float32 tensor of any shape, ``>= 0`` (an amax-derived value; the sign bit is ignored).
+
+    Returns:
+        ``uint8`` tensor of the same shape.
+
+    Raises:
+        TypeError: ``x`` is not float32.
+    """
+    if not isinstance(x, torch.Tensor) or x.dtype != torch.float32:
+        raise TypeError(f"e8m0_round_up needs a float32 tensor, got {getattr(x, 'dtype', type(x))}")
+    bits = x.abs().contiguous().view(torch.int32)
+    exponent = bits >> 23
+    mantissa = bits & 0x7FFFFF
+    bump = (mantissa > 0) & (exponent != 0xFE) & ~((exponent == 0) & (mantissa <= 0x400000))
+    code = exponent + bump.to(torch.int32)
+    code = torch.where(torch.isinf(x), torch.full_like(code, 254), code)
+    code = torch.where(torch.isnan(x), torch.full_like(code, E8M0_NAN), code)
+    return code.to(torch.uint8)
+
+
+def e8m0_from_exponent(exponent: torch.Tensor) -> torch.Tensor:
+    """E8M0 code of ``2**exponent`` for an integer tensor, clamped to ``[-127, 127]`` (codes 0..254).
+
+    Raises:
+        TypeError: ``exponent`` is not an integer tensor.
+    """
+    if not isinstance(exponent, torch.Tensor) or exponent.is_floating_point() or exponent.dtype == torch.bool:
+        raise TypeError(f"e8m0_from_exponent needs an integer tensor, got {getattr(exponent, 'dtype', type(exponent))}")
+    return (exponent.to(torch.int32).clamp(E8M0_MIN_EXP, E8M0_MAX_EXP) + E8M0_BIAS).to(torch.uint8)
+
+
+def e8m0_to_float(codes: torch.Tensor) -> torch.Tensor:
+    """Decode E8M0 codes (``uint8``) to float32 ``2**(code - 127)``; code 255 is NaN.
+
+    Code 0 is ``2**-127``, an fp32 subnormal (exact). Source: OCP MX v1.0 section 5.4.1.
+
+    Raises:
+        TypeError: ``codes`` is not ``uint8``.
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(f"E8M0 codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
+    value = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32, device=codes.device),
+                        codes.to(torch.int32) - E8M0_BIAS)
+    return torch.where(codes == E8M0_NAN, torch.full_like(value, float("nan")), value)
+
+
+def e8m0_inverse(codes: torch.Tensor) -> torch.Tensor:
+    """The float32 factor ``2**(127 - code)`` an MX quantizer multiplies elements by; 255 gives NaN.
+
+    TE's ``ptx::exp2f_rcp<float>`` (``transformer_engine/common/util/ptx.cuh``): exact for every
+    code, including code 254 whose inverse ``2**-127`` is subnormal.
+
+    Raises:
+        TypeError: ``codes`` is not ``uint8``.
+    """
+    if not isinstance(codes, torch.Tensor) or codes.dtype != torch.uint8:
+        raise TypeError(f"E8M0 codes must be a uint8 tensor, got {getattr(codes, 'dtype', type(codes))}")
+    value = torch.ldexp(torch.ones(codes.shape, dtype=torch.float32, device=codes.device),
+                        E8M0_BIAS - codes.to(torch.int32))
+    return torch.where(codes == E8M0_NAN, torch.full_like(value, float("nan")), value)

@@ -38,7 +38,7 @@ from .formats import E4M3_MAX, E5M2_MAX, FLT_MAX
 
 __all__ = [
     "FP8_E4M3_MAX", "FP8_E5M2_MAX", "FLT_MAX", "FP8Recipe", "FP8Tensor", "FP8Linear",
-    "compute_scale", "quantize_fp8", "fp8_matmul",
+    "compute_scale", "quantize_fp8", "quantize_fp8_with_scale", "fp8_matmul",
 ]
 
 FP8_E4M3_MAX = E4M3_MAX   # the FP8 formats' largest finite magnitudes (nvfp4lab.formats)
@@ -92,11 +92,14 @@ class FP8Recipe:
 
 
 def compute_scale(amax: torch.Tensor, fp8_max: float, *, use_power_2_scales: bool = False,
-                  amax_epsilon: float = 0.0) -> torch.Tensor:
-    """TE's ``compute_scale_from_amax`` for one fp32 0-d ``amax``; returns an fp32 0-d scale.
+                  amax_epsilon: float = 0.0, value_for_inf: float = FLT_MAX) -> torch.Tensor:
+    """TE's ``compute_scale_from_amax`` for an fp32 ``amax`` of any shape; returns fp32 scales.
 
-    ``scale = RN(fp8_max / max(amax, eps))``; 1.0 if amax is 0, inf or NaN; ``FLT_MAX`` if the
-    quotient overflows; power-of-two rounding clears the 23 mantissa bits.
+    ``scale = RN(fp8_max / max(amax, eps))``; 1.0 if amax is 0, inf or NaN; ``value_for_inf``
+    (rounded to fp32) if the quotient overflows (``FLT_MAX`` for current scaling; TE's blockwise
+    kernels pass the input dtype's largest finite value, ``compute_scale_from_types``); power-of-two
+    rounding clears the 23 mantissa bits. Source:
+    ``transformer_engine/common/recipe/recipe_common.cuh``.
     """
     amax = amax.to(torch.float32)
     if amax_epsilon > 0.0:
@@ -105,7 +108,7 @@ def compute_scale(amax: torch.Tensor, fp8_max: float, *, use_power_2_scales: boo
     bad = (amax == 0) | torch.isinf(amax) | torch.isnan(amax)
     safe = torch.where(bad, one, amax)
     scale = torch.tensor(fp8_max, dtype=torch.float32, device=amax.device) / safe
-    scale = torch.where(torch.isinf(scale), torch.full_like(scale, FLT_MAX), scale)
+    scale = torch.where(torch.isinf(scale), torch.full_like(scale, value_for_inf), scale)
     scale = torch.where(bad, one, scale)
     if use_power_2_scales:
         # keep sign and exponent bits: 0xFF800000 as a signed int32
@@ -161,8 +164,32 @@ def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, 
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
     amax = amax.to(torch.float32).reshape(())
     scale = compute_scale(amax, fp8_max, use_power_2_scales=use_power_2_scales, amax_epsilon=amax_epsilon)
+    return quantize_fp8_with_scale(xf, scale, fp8_dtype, amax=amax)
+
+
+def quantize_fp8_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn,
+                            *, amax: torch.Tensor | None = None) -> FP8Tensor:
+    """Per-tensor FP8 cast of ``x`` with a given fp32 0-d ``scale`` (delayed scaling's cast).
+
+    ``data = saturate(RN(x_fp32 * scale))`` (the CUDA ``__nv_fp8_*`` conversions saturate to the
+    largest finite value; NaN stays NaN), ``scale_inv = RN(1 / scale)``; ``amax`` defaults to
+    ``max|x|`` (the value TE's cast kernel writes to the amax history).
+
+    Raises:
+        TypeError: ``x`` is not floating point.
+        ValueError: ``fp8_dtype`` is not ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
+    """
+    if not torch.is_floating_point(x):
+        raise TypeError(f"quantize_fp8_with_scale expects a floating-point tensor, got {x.dtype}")
+    if fp8_dtype not in _FP8_MAX:
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    fp8_max = _FP8_MAX[fp8_dtype]
+    xf = x.to(torch.float32)
+    if amax is None:
+        amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
+    scale = scale.to(torch.float32).reshape(())
     data = torch.clamp(xf * scale, -fp8_max, fp8_max).to(fp8_dtype)  # saturating RNE cast
-    return FP8Tensor(data=data, scale_inv=torch.reciprocal(scale), amax=amax)
+    return FP8Tensor(data=data, scale_inv=torch.reciprocal(scale), amax=amax.to(torch.float32).reshape(()))
 
 
 def fp8_matmul(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float32) -> torch.Tensor:

@@ -55,8 +55,11 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from .emulated import EmulatedLinear
 from .fp8 import FP8Linear, FP8Recipe
+from .fp8_recipes import DelayedScalingLinear, FP8BlockLinear
 from .hadamard import WGRAD_SIGNS
+from .mx import MXFP4Linear, MXFP8Linear
 from .precisions import EMULATED, canonical_name
 from .quantize import NVFP4Tensor, nvfp4_matmul, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
@@ -65,7 +68,8 @@ from .rounding import SRStream
 __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
     "GemmQuantizer", "NVFP4GemmQuantizer", "IdentityQuantizer", "set_quantization_enabled",
-    "layer_precisions", "TOKEN_PAD", "SWITCH_SCOPES", "set_high_precision_scope",
+    "layer_precisions", "TOKEN_PAD", "SWITCH_SCOPES", "set_high_precision_scope", "EMULATED_LAYERS",
+    "block_recipe_for",
 ]
 
 #: Precisions understood by :func:`convert_model` (and the trainer's nvfp4lab backend): the
@@ -557,11 +561,14 @@ def _fprop_backward(ctx, gy, *_saved_grads):
 torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context)
 
 
-@torch.compiler.disable
 def _switched_forward(x, weight, bias, state: _LayerState, grad_enabled: bool):
     """The layer with some GEMMs switched to high precision, always through the eager autograd
     function (under ``torch.compile`` a graph break here: switches are rare, late and brief)."""
     return _NVFP4LinearFunction.apply(x, weight, bias, state, grad_enabled)
+
+
+_SWITCHED: list = []   # [torch.compiler.disable(_switched_forward)], made with the first layer: the
+                       # decorator imports torch._dynamo (and Triton), which importing nvfp4lab must not
 
 
 # ----------------------------------------------------------------------------- the module
@@ -606,6 +613,8 @@ class NVFP4Linear(nn.Linear):
                                   name=name, generator=generator, seed=seed)
         self.quantize_enabled = True
         self._state.sr_generator(self.weight.device)  # made now, not inside someone's CUDA graph capture
+        if not _SWITCHED:
+            _SWITCHED.append(torch.compiler.disable(_switched_forward))
 
     def _apply(self, fn, recurse=True):
         out = super()._apply(fn, recurse)
@@ -672,7 +681,7 @@ class NVFP4Linear(nn.Linear):
         if torch.is_autocast_enabled(x.device.type):
             x = x.to(torch.get_autocast_dtype(x.device.type))
         if self._state.high_precision:  # a switch by scope (cooldown): the eager autograd function
-            return _switched_forward(x, self.weight, self.bias, self._state, torch.is_grad_enabled())
+            return _SWITCHED[0](x, self.weight, self.bias, self._state, torch.is_grad_enabled())
         if torch.compiler.is_compiling():  # the custom ops: one opaque node for Dynamo, same numerics
             grad = torch.is_grad_enabled()
             y = torch.ops.nvfp4lab.linear_fprop(x.reshape(-1, self.in_features), self.weight, self.bias,
@@ -706,10 +715,35 @@ def _set_module(model: nn.Module, name: str, module: nn.Module) -> None:
     setattr(parent, child, module)
 
 
+#: The emulated layer of each block-scaled / delayed-scaling precision (its ``recipe_class`` is the
+#: recipe :func:`convert_model` accepts as ``block_recipe``).
+EMULATED_LAYERS: dict[str, type[EmulatedLinear]] = {
+    "fp8-delayed": DelayedScalingLinear, "fp8-block": FP8BlockLinear, "mxfp8": MXFP8Linear,
+    "mxfp4": MXFP4Linear,
+}
+
+
+def block_recipe_for(precision: str, data: Any = None) -> Any:
+    """The recipe of an :data:`EMULATED_LAYERS` precision built from plain data (``to_dict()`` form,
+    a recipe object, or ``None`` for the defaults): :class:`~nvfp4lab.fp8_recipes.DelayedScalingRecipe`,
+    :class:`~nvfp4lab.fp8_recipes.FP8BlockRecipe`, :class:`~nvfp4lab.mx.MXFP8Recipe` or
+    :class:`~nvfp4lab.mx.MXFP4Recipe`.
+
+    Raises:
+        ValueError: ``precision`` has no such recipe (the message lists those that do), or a field
+            is unknown or invalid (named by the recipe's validation).
+    """
+    name = canonical_name(precision)
+    if name not in EMULATED_LAYERS:
+        raise ValueError(f"precision {precision!r} has no block/delayed-scaling recipe; "
+                         f"those that do: {', '.join(EMULATED_LAYERS)}")
+    return EMULATED_LAYERS[name].recipe_class.from_dict(data)
+
+
 def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None = None, *,
                   fp8_recipe: FP8Recipe | None = None, generator: "torch.Generator | SRStream | None" = None,
                   seed: int = 0, quantizer: GemmQuantizer | None = None,
-                  block_pattern: str = DEFAULT_BLOCK_PATTERN) -> nn.Module:
+                  block_pattern: str = DEFAULT_BLOCK_PATTERN, block_recipe: Any = None) -> nn.Module:
     """Swap the chosen ``nn.Linear`` layers of ``model`` (in place) for the given precision.
 
     Parameters are shared with the original layers, so weight tying survives and the
@@ -726,29 +760,37 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
             ``recipe.quantize_lm_head``. ``"fp8"`` / ``"fp8-current"``: every linear layer
             inside the blocks becomes an :class:`~nvfp4lab.fp8.FP8Linear` (TE's FP8 recipes
             quantize every ``te.Linear``; the head, plain torch in a TE model, stays high
-            precision); ``recipe`` is ignored.
+            precision); ``recipe`` is ignored. ``"fp8-delayed"``, ``"fp8-block"``, ``"mxfp8"``,
+            ``"mxfp4"``: the same layers become the :data:`EMULATED_LAYERS` class
+            (:class:`~nvfp4lab.fp8_recipes.DelayedScalingLinear`,
+            :class:`~nvfp4lab.fp8_recipes.FP8BlockLinear`, :class:`~nvfp4lab.mx.MXFP8Linear`,
+            :class:`~nvfp4lab.mx.MXFP4Linear`) with ``block_recipe``.
         recipe: the NVFP4 recipe (default ``NVFP4Recipe()``).
-        fp8_recipe: the FP8 recipe (default ``FP8Recipe()``).
+        fp8_recipe: the FP8 current-scaling recipe (default ``FP8Recipe()``).
         generator, seed: SR generator shared by all NVFP4 layers. Default: each layer lazily
             creates its own generator on the activations' device, seeded with ``seed + i`` for
             the i-th linear layer of the model (distinct, reproducible streams).
         quantizer: the :class:`GemmQuantizer` of every NVFP4 layer (default
             :class:`NVFP4GemmQuantizer`).
         block_pattern: regex whose group 1 is the block index in a module name.
+        block_recipe: the recipe of fp8-delayed / fp8-block / mxfp8 / mxfp4 (default: that
+            precision's recipe class with TE's defaults; see :func:`block_recipe_for`).
 
     Returns:
         ``model``.
 
     Raises:
-        ValueError: an unknown precision, a model without numbered blocks (for fp8/nvfp4), or a
-            recipe whose layer selection does not fit the model
-            (:meth:`NVFP4Recipe.check_num_blocks`).
+        ValueError: an unknown precision, a model without numbered blocks (for the quantized
+            precisions), a recipe whose layer selection does not fit the model
+            (:meth:`NVFP4Recipe.check_num_blocks`), a ``block_recipe`` of another class, or (MX
+            formats) a quantized layer whose feature sizes are not multiples of 32 (the message
+            names the layer and the size).
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
     # Undo an earlier conversion so that conversions compose.
     for name, layer in _linear_layers(model):
-        if isinstance(layer, (NVFP4Linear, FP8Linear)):
+        if isinstance(layer, (NVFP4Linear, FP8Linear, EmulatedLinear)):
             plain = nn.Linear.__new__(nn.Linear)
             nn.Module.__init__(plain)
             plain.in_features, plain.out_features = layer.in_features, layer.out_features
@@ -770,6 +812,15 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
             if layer_is_quantized(name, precision, num_blocks, block_pattern=block_pattern):
                 _set_module(model, name, FP8Linear.from_linear(layer, recipe=fp8_recipe))
         return model
+    if canonical_name(precision) in EMULATED_LAYERS:
+        cls = EMULATED_LAYERS[canonical_name(precision)]
+        for name, layer in layers:
+            if layer_is_quantized(name, precision, num_blocks, block_pattern=block_pattern):
+                try:
+                    _set_module(model, name, cls.from_linear(layer, recipe=block_recipe))
+                except ValueError as e:
+                    raise ValueError(f"layer {name!r}: {e}") from e
+        return model
 
     recipe = recipe if recipe is not None else NVFP4Recipe()
     recipe.check_num_blocks(num_blocks)
@@ -788,7 +839,7 @@ def set_quantization_enabled(model: nn.Module, enabled: bool) -> int:
     """
     n = 0
     for m in model.modules():
-        if isinstance(m, (NVFP4Linear, FP8Linear)):
+        if isinstance(m, (NVFP4Linear, FP8Linear, EmulatedLinear)):
             m.quantize_enabled = bool(enabled)
             n += 1
     return n
@@ -840,13 +891,17 @@ def set_high_precision_scope(model: nn.Module, scope: str) -> int:
 
 
 def layer_precisions(model: nn.Module) -> dict[str, str]:
-    """``{linear layer name: "nvfp4" | "fp8" | "high"}`` (disabled layers count as "high")."""
+    """``{linear layer name: "nvfp4" | "fp8" | "mxfp4" | "high"}`` (disabled layers count as "high").
+
+    Every FP8 layer (current, delayed, block scaling, MXFP8) is ``"fp8"``."""
     out = {}
     for name, m in _linear_layers(model):
         if isinstance(m, NVFP4Linear) and m.quantize_enabled:
             out[name] = "nvfp4"
-        elif isinstance(m, FP8Linear) and m.quantize_enabled:
+        elif isinstance(m, (FP8Linear, FP8BlockLinear, DelayedScalingLinear, MXFP8Linear)) and m.quantize_enabled:
             out[name] = "fp8"
+        elif isinstance(m, MXFP4Linear) and m.quantize_enabled:
+            out[name] = "mxfp4"
         else:
             out[name] = "high"
     return out

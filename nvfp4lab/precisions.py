@@ -5,6 +5,9 @@ which of TE's availability checks answers for it, and whether nvfp4lab emulates 
 ``--precision`` choices, :func:`nvfp4lab.convert_model`, the TE model builder and the capability
 probe all read this table; nothing else lists precision names.
 
+``mxfp4`` (E2M1 elements, E8M0 scales per 32 elements, :mod:`nvfp4lab.mx`) is emulated only: TE 2.20
+has no MXFP4 recipe, so it has no ``te_recipe`` and the ``te`` backend does not list it.
+
 Sources: TE 2.20's recipe classes (``transformer_engine/common/recipe/__init__.py``) and its
 availability functions (``transformer_engine/pytorch/quantization.py``: ``is_fp8_available``,
 ``is_fp8_block_scaling_available``, ``is_mxfp8_available``, ``is_nvfp4_available``).
@@ -33,6 +36,8 @@ class Precision:
             ``te.is_fp8_available``), or ``None``.
         emulated: nvfp4lab's own layers emulate it (``nvfp4lab`` backend, any device).
         format_key: listed by the capability probe as a hardware format.
+        quantized: its linear layers run quantized GEMMs (False for ``fp32`` / ``bf16``). A quantized
+            precision without ``te_recipe`` (``mxfp4``: TE 2.20 has no MXFP4 recipe) is emulated only.
     """
 
     name: str
@@ -41,16 +46,18 @@ class Precision:
     te_check: str | None
     emulated: bool
     format_key: bool = True
+    quantized: bool = True
 
 
 #: Every precision, in the order they are reported.
 PRECISIONS: tuple[Precision, ...] = (
-    Precision("fp32", "FP32", None, None, emulated=True, format_key=False),
-    Precision("bf16", "BF16", None, None, emulated=True),
-    Precision("fp8-delayed", "FP8 delayed scaling", "DelayedScaling", "fp8", emulated=False),
+    Precision("fp32", "FP32", None, None, emulated=True, format_key=False, quantized=False),
+    Precision("bf16", "BF16", None, None, emulated=True, quantized=False),
+    Precision("fp8-delayed", "FP8 delayed scaling", "DelayedScaling", "fp8", emulated=True),
     Precision("fp8-current", "FP8 current scaling", "Float8CurrentScaling", "fp8", emulated=True),
-    Precision("fp8-block", "FP8 block scaling", "Float8BlockScaling", "fp8_block_scaling", emulated=False),
-    Precision("mxfp8", "MXFP8", "MXFP8BlockScaling", "mxfp8", emulated=False),
+    Precision("fp8-block", "FP8 block scaling", "Float8BlockScaling", "fp8_block_scaling", emulated=True),
+    Precision("mxfp8", "MXFP8", "MXFP8BlockScaling", "mxfp8", emulated=True),
+    Precision("mxfp4", "MXFP4", None, None, emulated=True, format_key=False, quantized=True),
     Precision("nvfp4", "NVFP4", "NVFP4BlockScaling", "nvfp4", emulated=True),
     Precision("nvfp4-reference", "NVFP4, TE's reference quantizer", "CustomRecipe", None, emulated=False,
               format_key=False),
@@ -65,7 +72,8 @@ _BY_NAME = {p.name: p for p in PRECISIONS}
 EMULATED: tuple[str, ...] = tuple(p.name for p in PRECISIONS if p.emulated) + tuple(
     a for a, target in ALIASES.items() if _BY_NAME[target].emulated)
 #: Names the ``te`` backend trains (aliases included): the unquantized ones and every TE recipe.
-TE_BACKEND: tuple[str, ...] = tuple(p.name for p in PRECISIONS) + tuple(ALIASES)
+TE_BACKEND: tuple[str, ...] = tuple(p.name for p in PRECISIONS if not p.quantized or p.te_recipe is not None) + tuple(
+    a for a, target in ALIASES.items() if not _BY_NAME[target].quantized or _BY_NAME[target].te_recipe is not None)
 #: Hardware formats reported by the capability probe, in order.
 FORMAT_KEYS: tuple[str, ...] = tuple(p.name for p in PRECISIONS if p.format_key)
 

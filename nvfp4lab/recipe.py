@@ -234,7 +234,7 @@ def layer_is_quantized(name: str, precision: str, num_blocks: int, recipe: "NVFP
     model (:func:`nvfp4lab.te_model.quantized_blocks`) and the book's memory count:
 
     * ``fp32`` / ``bf16``: none;
-    * FP8 and MXFP8 recipes: every linear layer inside the transformer blocks (TE quantizes every
+    * FP8, MXFP8 and MXFP4 recipes: every linear layer inside the transformer blocks (TE quantizes every
       ``te.Linear`` under its autocast; the LM head is plain torch and stays high precision);
     * ``nvfp4`` / ``nvfp4-reference``: the layers of the blocks the recipe quantizes (all but its
       ``bf16_first_layers`` and ``bf16_last_layers``; paper §4.1 keeps about 15% of the linear layers,
@@ -251,7 +251,7 @@ def layer_is_quantized(name: str, precision: str, num_blocks: int, recipe: "NVFP
         ValueError: unknown precision, or a block index outside ``num_blocks``.
     """
     p = canonical_name(precision)
-    if get_precision(p).te_recipe is None:
+    if not get_precision(p).quantized:
         return False
     b = block_index(name, block_pattern)
     if p not in ("nvfp4", "nvfp4-reference"):

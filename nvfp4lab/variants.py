@@ -51,8 +51,12 @@ import torch
 import torch.nn.functional as F
 
 from .formats import (
+    E2M1_EMAX,
     E2M1_MAX,
+    E8M0_MAX_EXP,
+    E8M0_MIN_EXP,
     FLT_MAX,
+    MX_BLOCK_SIZE,
     GLOBAL_SCALE_NUMERATOR,
     check_float_tensor,
     decode_e2m1,
@@ -75,12 +79,9 @@ __all__ = [
     "synthetic_tensor",
 ]
 
-#: Elements per MX block (OCP MX v1.0: ``k = 32`` for every concrete MX format).
-MX_BLOCK_SIZE = 32
-#: Exponent of E2M1's largest normal value (6 = 1.5 · 2^2): ``emax_elem`` in the MX spec.
-E2M1_EMAX = 2
-#: E8M0 encodes exponents -127..127 (0xFF is NaN).
-_E8M0_EMIN, _E8M0_EMAX = -127, 127
+# MX_BLOCK_SIZE (OCP MX v1.0: k = 32) and E2M1_EMAX (emax_elem = 2) come from nvfp4lab.formats and are
+# re-exported here; E8M0 encodes exponents -127..127 (0xFF is NaN).
+_E8M0_EMIN, _E8M0_EMAX = E8M0_MIN_EXP, E8M0_MAX_EXP
 
 ScaleFormat = Literal["e4m3", "e8m0", "fp32"]
 _SCALE_BYTES = {"e4m3": 1, "e8m0": 1, "fp32": 4}

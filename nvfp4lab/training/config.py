@@ -10,6 +10,7 @@ from typing import Any, Mapping
 
 from ..capabilities import require_device
 from ..fp8 import FP8Recipe
+from ..linear import block_recipe_for
 from ..model import GPTConfig, get_preset
 from ..precisions import EMULATED, TE_BACKEND, canonical_name
 from ..recipe import NVFP4Recipe
@@ -39,6 +40,11 @@ VARIANTS: dict[str, dict[str, Any]] = {
     "nvfp4-no-sr": {"precision": "nvfp4", "recipe": {"disable_stochastic_rounding": True}},
     "nvfp4-no-2d": {"precision": "nvfp4", "recipe": {"disable_2d_quantization": True}},
     "nvfp4-cooldown": {"precision": "nvfp4", "cooldown_frac": 0.2},
+    "fp8-delayed": {"precision": "fp8-delayed"},
+    "fp8-block": {"precision": "fp8-block"},
+    "mxfp8": {"precision": "mxfp8"},
+    "mxfp4": {"precision": "mxfp4"},
+    "mxfp4-ocp": {"precision": "mxfp4", "block_recipe": {"scale_rounding": "ocp"}},
 }
 
 
@@ -55,11 +61,13 @@ class TrainConfig:
     natively through TE, NVFP4 needs compute capability 10.0: :mod:`nvfp4lab.te_model`).
     Precision: ``precision``, a name of :mod:`nvfp4lab.precisions` (the emulated ones for the
     nvfp4lab backend, every TE recipe for the te backend), ``recipe``
-    (:class:`NVFP4Recipe`), ``fp8_recipe``. Precision switch before the decay (the paper's appendix
-    D; nvfp4/fp8 only): ``cooldown_frac`` in [0, 1) of the schedule, or ``cooldown_step``, with
-    ``cooldown_scope`` ``"all"`` (every GEMM of the quantized layers in BF16; the default, the
-    paper's switch), ``"fprop"`` (the forward GEMMs only: most of the gain, appendix D, Fig. 7) or
-    ``"bwd"`` (Dgrad and Wgrad only); fprop/bwd need NVFP4 layers of the nvfp4lab backend.
+    (:class:`NVFP4Recipe`), ``fp8_recipe`` (fp8-current), ``block_recipe`` (fp8-delayed, fp8-block,
+    mxfp8, mxfp4: a ``to_dict()`` mapping of that precision's recipe, e.g. ``{"scale_rounding": "ocp"}``
+    for mxfp4; None = TE's defaults; nvfp4lab backend only). Precision switch before the decay (the
+    paper's appendix D; quantized precisions only): ``cooldown_frac`` in [0, 1) of the schedule, or
+    ``cooldown_step``, with ``cooldown_scope`` ``"all"`` (every GEMM of the quantized layers in BF16;
+    the default, the paper's switch), ``"fprop"`` (the forward GEMMs only: most of the gain, appendix
+    D, Fig. 7) or ``"bwd"`` (Dgrad and Wgrad only); fprop/bwd need NVFP4 layers of the nvfp4lab backend.
     Data: ``text`` (file or folder; None = built-in ``pydoc_data.topics``), ``val_every``,
     ``chunk_bytes`` (the split).
     Going wrong: ``on_nonfinite="fallback"``, or a spike (``spike_z``: the loss or the gradient norm
@@ -120,6 +128,7 @@ class TrainConfig:
     grad_clip: float = 1.0
     recipe: NVFP4Recipe = field(default_factory=NVFP4Recipe)
     fp8_recipe: FP8Recipe = field(default_factory=FP8Recipe)
+    block_recipe: dict[str, Any] | None = None
     cooldown_frac: float = 0.0
     cooldown_step: int | None = None
     health_interval: int = 0
@@ -213,6 +222,13 @@ class TrainConfig:
                 raise ValueError(f"cooldown_step only makes sense for a quantized precision, not {self.precision!r}")
         if not 0.0 <= self.cooldown_frac < 1.0:
             raise ValueError(f"TrainConfig.cooldown_frac must be in [0, 1), got {self.cooldown_frac}")
+        if self.block_recipe is not None:
+            if self.backend != "nvfp4lab":
+                raise ValueError("TrainConfig.block_recipe applies to the nvfp4lab backend's emulated recipes, "
+                                 f"not to backend {self.backend!r}")
+            if not isinstance(self.block_recipe, Mapping):
+                raise ValueError(f"TrainConfig.block_recipe must be a mapping of recipe fields, got {self.block_recipe!r}")
+            block_recipe_for(self.precision, self.block_recipe)  # ValueError naming the precision or field
         if self.cooldown_frac > 0 and canonical_name(self.precision) in ("fp32", "bf16"):
             raise ValueError(f"cooldown_frac={self.cooldown_frac} only makes sense for precision "
                              f"nvfp4 or fp8 (it switches them to BF16), not {self.precision!r}")
@@ -306,6 +322,8 @@ class TrainConfig:
         overrides = dict(variant)
         recipe_over = overrides.pop("recipe", None)
         c = dataclasses.replace(self, **overrides)
+        if "block_recipe" not in overrides and c.block_recipe is not None and c.precision != self.precision:
+            c.block_recipe = None  # a base config's block recipe belongs to its own precision
         if recipe_over:
             c.recipe = NVFP4Recipe.from_dict(self.recipe).replace(**recipe_over)
         if c.precision in ("fp32", "bf16") and "cooldown_frac" not in overrides:

@@ -17,7 +17,8 @@ import torch
 import torch.nn as nn
 
 from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
-from ..linear import convert_model, layer_precisions, set_high_precision_scope
+from ..fp8_recipes import DELAYED_SCALING_BUFFERS
+from ..linear import block_recipe_for, convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
 from ..health import HEALTH_NAME, health_pass
 from ..precisions import canonical_name
@@ -58,6 +59,25 @@ def rss_bytes() -> int:
 
 
 @torch.no_grad()
+def _load_model_state(model: nn.Module, state: dict) -> None:
+    """``model.load_state_dict(state)``, strict except for FP8 delayed-scaling state.
+
+    A :class:`~nvfp4lab.fp8_recipes.DelayedScalingLinear` keeps its amax history and scales as
+    buffers: resuming a delayed-scaling run restores them, resuming it in another precision drops
+    them, and resuming another precision's checkpoint as delayed scaling starts them fresh (zero
+    history, unit scales), so checkpoints stay interchangeable across precisions.
+
+    Raises:
+        RuntimeError: any other missing or unexpected key (as a strict load would).
+    """
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    def _other(keys):
+        return [k for k in keys if k.rpartition(".")[2] not in DELAYED_SCALING_BUFFERS]
+    if _other(missing) or _other(unexpected):
+        raise RuntimeError(f"checkpoint does not match the model: missing keys {_other(missing)}, "
+                           f"unexpected keys {_other(unexpected)}")
+
+
 def _evaluate(model: nn.Module, batches, precision: str, device: torch.device) -> float:
     was_training = model.training
     model.eval()
@@ -199,9 +219,14 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
         layers = model.layer_counts()
     else:
         model = GPT(cfg.model_config()).to(device)
-        convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
+        block_recipe = (block_recipe_for(cfg.precision, cfg.block_recipe) if cfg.block_recipe is not None
+                        else None)
+        convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen,
+                      block_recipe=block_recipe)
         precisions = layer_precisions(model)
         layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
+        if "mxfp4" in precisions.values():
+            layers["mxfp4"] = sum(1 for v in precisions.values() if v == "mxfp4")
     if cfg.graph_optimizer:  # the step's CUDA graph holds the update: fused AdamW, a device lr, found_inf
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=torch.tensor(cfg.lr, device=device),
                                       betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True, capturable=True)
@@ -220,7 +245,7 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     if cfg.resume:
         saved = load_checkpoint(cfg.resume)
         check_resume_compatible(saved, cfg, data_info)
-        model.load_state_dict(saved["model"])
+        _load_model_state(model, saved["model"])
         optimizer.load_state_dict(saved["optimizer"])
         for g, flags in zip(optimizer.param_groups, own_flags):  # this run's implementation, not the saved one's
             g.update(flags)
