@@ -16,11 +16,13 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
+from ..data import ByteTokenizer, get_batch, load_corpus, shard_rows, split_tokens, validation_batches
 from ..linear import convert_model, layer_precisions, set_quantization_enabled
 from ..model import GPT
 from ..provenance import environment
-from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
+from . import distributed
+from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint,
+                         load_distributed_state, load_full_state, save_checkpoint, save_distributed_checkpoint)
 from .config import TrainConfig, lr_at
 from .report import CompareResult, RunResult, format_table, plot_compare, plot_metrics, read_jsonl, write_json
 from .step import GRAPH_WARMUP_STEPS, GraphedStep, autocast_for, clip_and_norm, param_groups
@@ -107,27 +109,50 @@ def train(config: TrainConfig) -> RunResult:
     line: ``type`` "train" / "eval" / "event"), ``run.json`` (the :class:`RunResult`),
     ``loss.png`` and ``checkpoint.pt``.
 
+    Under ``torchrun`` with ``WORLD_SIZE > 1`` every rank runs this same function: the model is
+    spread by ``config.parallel`` (:mod:`nvfp4lab.training.distributed`), each rank trains on its
+    rows of the global batch, checkpoints are DCP folders (``checkpoint-step<N>.dcp/``), and rank 0
+    alone writes the metrics, ``run.json`` and the plot. Every rank returns the result.
+
     Raises ``ValueError`` for an invalid config or an incompatible ``resume`` checkpoint,
-    ``NonFiniteError`` when the loss or gradient goes non-finite with ``on_nonfinite="stop"``.
+    ``NonFiniteError`` when the loss or gradient goes non-finite with ``on_nonfinite="stop"``
+    (on every rank: the decision is agreed).
     """
+    cfg = config.resolved()
+    ctx = distributed.setup(cfg.device)
+    try:
+        return _train(cfg, ctx)
+    finally:
+        distributed.teardown(ctx)
+
+
+def _train(cfg: TrainConfig, ctx: distributed.DistContext) -> RunResult:
+    """:func:`train`'s body for a resolved config on this rank of ``ctx``."""
     from tqdm.auto import tqdm
 
-    cfg = config.resolved()
     t_start = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
+    device = ctx.device
+    if ctx.distributed:
+        if cfg.backend != "nvfp4lab" or cfg.cuda_graph:
+            raise ValueError(f"distributed training ({ctx.world_size} ranks) runs the nvfp4lab backend without "
+                             "cuda_graph")
+        if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
+            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by {ctx.world_size} ranks x "
+                             f"grad_accum_steps={cfg.grad_accum_steps} (the global batch is split evenly)")
 
     # data (pure function of the bytes)
     corpus = load_corpus(cfg.text)
     tokenizer = ByteTokenizer()
     split = split_tokens(tokenizer.encode(corpus.text), chunk_bytes=cfg.chunk_bytes, val_every=cfg.val_every)
     data_info = {"corpus": corpus.describe(), "tokenizer": tokenizer.describe(), "split": split.describe()}
-    val_batches = validation_batches(split.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    val_batches = [(shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size))
+                   for x, y in validation_batches(split.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
 
     # model and precision; all randomness derives from the seed
     torch.manual_seed(cfg.seed)
-    sr_gen = torch.Generator(device=device).manual_seed(cfg.seed + 1_000_003)
+    sr_gen = torch.Generator(device=device).manual_seed(distributed.sr_seed(cfg.seed, ctx.rank))
     data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
     if cfg.backend == "te":
         # Raises TransformerEngineUnavailable / NVFP4NotSupported (with the fallbacks) up front.
@@ -140,6 +165,8 @@ def train(config: TrainConfig) -> RunResult:
         convert_model(model, cfg.precision, cfg.recipe, fp8_recipe=cfg.fp8_recipe, generator=sr_gen)
         precisions = layer_precisions(model)
         layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
+        model.activation_checkpointing = cfg.activation_checkpointing
+    net = distributed.wrap_model(model, cfg.parallel, ctx)   # what runs the steps (model itself in one process)
     if cfg.graph_optimizer:  # the step's CUDA graph holds the update: fused AdamW, a device lr, found_inf
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=torch.tensor(cfg.lr, device=device),
                                       betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True, capturable=True)
@@ -150,7 +177,7 @@ def train(config: TrainConfig) -> RunResult:
     own_flags = [{k: g[k] for k in ("lr", "fused", "capturable", "foreach") if k in g} for g in optimizer.param_groups]
 
     out = Path(cfg.out if cfg.out else Path("runs") / cfg.name)
-    say = _reporter(cfg)
+    say = _reporter(cfg) if ctx.is_main else (lambda msg: None)
     start_step, best_val, skipped, elapsed_before = 0, None, 0, 0.0
     schedule_steps = cfg.schedule_steps or cfg.steps
     val_curve: list[list[float]] = []
@@ -158,8 +185,13 @@ def train(config: TrainConfig) -> RunResult:
     if cfg.resume:
         saved = load_checkpoint(cfg.resume)
         check_resume_compatible(saved, cfg, data_info)
-        model.load_state_dict(saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        if "dcp" in saved:   # sharded on disk: DCP reshards onto however many ranks run now
+            load_distributed_state(saved["dcp"], net, optimizer)
+        elif ctx.distributed:
+            load_full_state(net, optimizer, saved, _param_names(model, optimizer))
+        else:
+            model.load_state_dict(saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
         for g, flags in zip(optimizer.param_groups, own_flags):  # this run's implementation, not the saved one's
             g.update(flags)
         if cfg.graph_optimizer:  # a fused, capturable AdamW keeps its step counts on the device
@@ -168,12 +200,18 @@ def train(config: TrainConfig) -> RunResult:
                     st["step"] = st["step"].to(device=device, dtype=torch.float32)
         start_step = int(saved["step"])
         rng = saved["rng"]
-        torch.set_rng_state(rng["torch"])
+        # a single-process checkpoint holds rank 0's states; a DCP one every rank's (lists)
+        torch_states = rng["torch_ranks"] if "torch_ranks" in rng else [rng["torch"]]
+        sr_states = rng["sr_ranks"] if "sr_ranks" in rng else [rng.get("sr")]
+        if ctx.rank < len(torch_states):
+            torch.set_rng_state(torch_states[ctx.rank])
         data_gen.set_state(rng["data"])
         # The SR generator's state is device-specific (CPU Mersenne Twister vs CUDA Philox); it is
-        # restored when the device type matches, otherwise the generator stays freshly seeded.
-        if rng.get("sr") is not None and rng.get("sr_device", "cpu") == device.type:
-            sr_gen.set_state(rng["sr"])
+        # restored when the device type matches and the checkpoint has this rank's, otherwise the
+        # generator stays freshly seeded from (seed, rank).
+        if (ctx.rank < len(sr_states) and sr_states[ctx.rank] is not None
+                and rng.get("sr_device", "cpu") == device.type):
+            sr_gen.set_state(sr_states[ctx.rank])
         best_val = saved.get("best_val_loss")
         skipped = int(saved.get("skipped_steps", 0))
         val_curve = [list(v) for v in saved.get("val_curve", [])]
@@ -199,33 +237,46 @@ def train(config: TrainConfig) -> RunResult:
     cfg.schedule_steps = schedule_steps
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    # On resume, keep the history up to the checkpoint and drop what came after it.
-    kept = [r for r in read_jsonl(metrics_path) if r.get("step", 0) <= start_step and
-            not (r.get("type") == "train" and r.get("step", 0) >= start_step)] if cfg.resume else []
-    with open(metrics_path, "w") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-    metrics = open(metrics_path, "a")
+    metrics = None
+    if ctx.is_main:   # one metrics file per run, written by rank 0
+        # On resume, keep the history up to the checkpoint and drop what came after it.
+        kept = [r for r in read_jsonl(metrics_path) if r.get("step", 0) <= start_step and
+                not (r.get("type") == "train" and r.get("step", 0) >= start_step)] if cfg.resume else []
+        with open(metrics_path, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        metrics = open(metrics_path, "a")
 
     def log(rec: dict[str, Any]) -> None:
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
+        if metrics is not None:
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
 
     cooldown_start = (schedule_steps - int(round(cfg.cooldown_frac * schedule_steps))
                       if cfg.cooldown_frac > 0 else None)
     last_ckpt: str | None = None
     if cfg.resume:
-        rp = Path(cfg.resume)
-        last_ckpt = str(rp / CHECKPOINT_NAME if rp.is_dir() else rp)
+        last_ckpt = saved.get("dcp") or str(Path(cfg.resume) / CHECKPOINT_NAME if Path(cfg.resume).is_dir()
+                                            else cfg.resume)
 
     def make_state(step: int) -> dict[str, Any]:
+        """The checkpoint: in one process everything; distributed, all but the model and optimizer
+        (DCP writes their shards) with every rank's RNG and SR generator states."""
+        if ctx.distributed:
+            states = distributed.gather_objects((torch.get_rng_state(), sr_gen.get_state().cpu()), ctx)
+            rng = {"torch_ranks": [t for t, _ in states], "sr_ranks": [g for _, g in states],
+                   "data": data_gen.get_state(), "sr_device": device.type}
+            payload: dict[str, Any] = {"world_size": ctx.world_size, "parallel": cfg.parallel}
+        else:
+            rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
+                   "sr": sr_gen.get_state(), "sr_device": device.type}
+            payload = {"model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+                       "optimizer": _portable(optimizer.state_dict())}
         return {
             "format": CHECKPOINT_FORMAT,
             "step": step,
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-            "optimizer": _portable(optimizer.state_dict()),
-            "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
-                    "sr": sr_gen.get_state(), "sr_device": device.type},
+            **payload,
+            "rng": rng,
             "config": cfg.to_dict(),
             "data": data_info,
             "best_val_loss": best_val,
@@ -255,12 +306,17 @@ def train(config: TrainConfig) -> RunResult:
             resumed_from_step=start_step if cfg.resume else None, total_wall_time_s=elapsed_before + now - t_start,
             tokens_per_s_all_steps=tokens_per_step * len(step_times) / sum(step_times) if step_times else 0.0,
             warmup_time_s=sum(step_times[:len(step_times) - len(steady)]), timed_steps=len(steady),
-            step_ms_median=1e3 * statistics.median(steady) if steady else None)
+            step_ms_median=1e3 * statistics.median(steady) if steady else None, world_size=ctx.world_size,
+            parallel=cfg.parallel if ctx.distributed else None)
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
-        save_checkpoint(ckpt_path, make_state(step))
-        last_ckpt = str(ckpt_path)
+        if ctx.distributed:
+            last_ckpt = str(save_distributed_checkpoint(out, net, optimizer, make_state(step), rank=ctx.rank,
+                                                        barrier=lambda: distributed.barrier(ctx)))
+        else:
+            save_checkpoint(ckpt_path, make_state(step))
+            last_ckpt = str(ckpt_path)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -281,7 +337,7 @@ def train(config: TrainConfig) -> RunResult:
     bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.name, unit="step", dynamic_ncols=True,
                disable=None if cfg.progress is None else cfg.progress is not True, file=sys.stderr)
     progress_line = _ProgressLines(cfg.steps, tokens_per_step) if cfg.progress == "lines" else None
-    model.train()
+    net.train()
     cooled = False
     graphed = GraphedStep(model, params, cfg.precision, device, cfg.grad_clip,
                           (sr_gen,) if cfg.precision == "nvfp4" else (),
@@ -291,7 +347,7 @@ def train(config: TrainConfig) -> RunResult:
     warmup_left = GRAPH_WARMUP_STEPS
     try:
         for step in range(start_step, cfg.steps):
-            if cooldown_start is not None and step >= cooldown_start and not cooled:
+            if cooldown_start is not None and not cooled and distributed.agree_any(step >= cooldown_start, ctx):
                 if cfg.backend == "te":
                     model.quantize_enabled = False
                 else:
@@ -310,7 +366,8 @@ def train(config: TrainConfig) -> RunResult:
                 else:
                     g["lr"] = lr
             t0 = time.perf_counter()
-            x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen)
+            x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen, rank=ctx.rank,
+                             world_size=ctx.world_size)
             x, y = x.to(device), y.to(device)
             bad = None
             if graphed is not None and warmup_left == 0:
@@ -330,16 +387,25 @@ def train(config: TrainConfig) -> RunResult:
                     warmup_left -= 1
                 with torch.cuda.stream(side) if side is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
-                    with autocast_for(cfg.precision, device):
-                        _, loss = model(x, y)
-                    loss_val = float(loss.detach())
-                    if not math.isfinite(loss_val):
+                    micro, local = cfg.grad_accum_steps, 0.0
+                    for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                        # the gradients are reduced across ranks with the last micro-batch only
+                        with distributed.grad_sync(net, i == micro - 1):
+                            with autocast_for(cfg.precision, device):
+                                _, loss = net(xm, ym)
+                            part = float(loss.detach())
+                            local += part
+                            # one process skips a backward through a non-finite loss; ranks all run
+                            # it (its collectives must match) and decide together below
+                            if ctx.distributed or math.isfinite(part):
+                                (loss / micro if micro > 1 else loss).backward()
+                    loss_val = distributed.mean_across(local / micro, ctx)
+                    if distributed.agree_any(not math.isfinite(local), ctx):
                         bad = "loss"
                         grad_norm = float("nan")
                     else:
-                        loss.backward()
                         grad_norm = float(clip_and_norm(params, cfg.grad_clip))
-                        if not math.isfinite(grad_norm):
+                        if distributed.agree_any(not math.isfinite(grad_norm), ctx):
                             bad = "gradient norm"
                 if side is not None:
                     torch.cuda.current_stream(device).wait_stream(side)
@@ -371,7 +437,7 @@ def train(config: TrainConfig) -> RunResult:
                 log({"type": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                      "tokens_per_s": tokens_per_step / dt if dt > 0 else None, "precision": active})
             if done % cfg.eval_interval == 0 or done == cfg.steps:
-                v = _evaluate(model, val_batches, cfg.precision, device)
+                v = distributed.mean_across(_evaluate(net, val_batches, cfg.precision, device), ctx)
                 val_curve.append([done, v])
                 best_val = v if best_val is None else min(best_val, v)
                 log({"type": "eval", "step": done, "val_loss": v, "precision": active})
@@ -386,18 +452,27 @@ def train(config: TrainConfig) -> RunResult:
     except NonFiniteError as exc:
         result = make_result(status, message, step, None)
         exc.result = result
-        write_json(out / "run.json", result.to_dict())
+        if ctx.is_main:
+            write_json(out / "run.json", result.to_dict())
         raise
     finally:
         bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     plot_path = None
-    if cfg.plot:
+    if cfg.plot and ctx.is_main:
         what = cfg.precision if cfg.name == cfg.precision else f"{cfg.name}: {cfg.precision}"
         plot_path = plot_metrics(metrics_path, out / "loss.png", title=f"{what}, preset {cfg.preset}")
     result = make_result(status, message, cfg.steps, plot_path)
-    write_json(out / "run.json", result.to_dict())
+    if ctx.is_main:
+        write_json(out / "run.json", result.to_dict())
     return result
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter names in the optimizer's order (how a single-process checkpoint numbers them)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
 def _portable(state: dict[str, Any]) -> dict[str, Any]:

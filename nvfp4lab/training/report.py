@@ -27,7 +27,9 @@ class RunResult:
     the median steady-state step.
     ``peak_memory_bytes`` is described by ``peak_memory_kind``. ``wall_time_s`` is this
     session's time; ``total_wall_time_s`` adds the time of the sessions before a resume
-    (``resumed_from_step`` is None for a run that started at step 0).
+    (``resumed_from_step`` is None for a run that started at step 0). ``world_size``: the ranks
+    that trained it (each figure is this rank's; tokens count the global batch), ``parallel``:
+    "fsdp" / "ddp", or None in one process.
     """
 
     name: str
@@ -58,6 +60,8 @@ class RunResult:
     warmup_time_s: float | None = None
     timed_steps: int | None = None
     step_ms_median: float | None = None
+    world_size: int = 1
+    parallel: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
