@@ -16,8 +16,10 @@ Two formats, both precision-agnostic FP32 state:
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import warnings
 import tempfile
 from pathlib import Path
 from typing import Any, Mapping
@@ -301,6 +303,14 @@ def save_distributed_checkpoint(run_dir: str | os.PathLike, model: Any, optimize
     return final
 
 
+@contextlib.contextmanager
+def _single_process_quiet():
+    """DCP warns when it loads without a process group; here that is the intent (one process)."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def load_distributed_state(folder: str | os.PathLike, model: Any, optimizer: Any) -> None:
     """Load a DCP checkpoint's model and optimizer into ``model`` / ``optimizer``, resharding.
 
@@ -317,7 +327,8 @@ def load_distributed_state(folder: str | os.PathLike, model: Any, optimizer: Any
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd}
     try:
-        dcp.load(state, checkpoint_id=str(folder))
+        with _single_process_quiet():
+            dcp.load(state, checkpoint_id=str(folder))
     except Exception as exc:  # noqa: BLE001 - DCP raises CheckpointException, RuntimeError, KeyError ...
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
         raise CheckpointError(f"cannot load the DCP checkpoint {folder} into this model: {first}",
@@ -376,7 +387,8 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike) -> Path:
         model = GPT(cfg.model_config())
         state = {"model": model.state_dict()}
         try:
-            dcp.load(state, checkpoint_id=saved["dcp"])
+            with _single_process_quiet():
+                dcp.load(state, checkpoint_id=saved["dcp"])
         except Exception as exc:  # noqa: BLE001
             raise CheckpointError(f"cannot read the weights of {saved['dcp']}: {exc}".splitlines()[0],
                                   path=saved["dcp"]) from None
