@@ -7,7 +7,9 @@ write their folders under ``OUT``. Scenarios:
 * ``<precision>``: 4 steps of fp32, bf16 and nvfp4 (SR off), gradient clipping off, FSDP2;
 * ``nvfp4-ac``: the nvfp4 run with activation checkpointing; ``nvfp4-ddp``: with DDP;
 * ``sr`` (nvfp4, SR on, 6 steps, checkpoints at 3 and 6) and ``sr-resumed`` (from step 3);
-* ``nonfinite``: rank 1 alone sees a NaN loss at step 1: every rank must stop there;
+* ``nvfp4-cooldown``: BF16 for the last half of the steps;
+* ``nonfinite`` / ``nonfinite-skip``: rank 1 alone sees a NaN loss at step 1: every rank must stop
+  there / skip that step;
 * the decision helpers, and the layer under FSDP2 seeing the full, unsharded weight.
 """
 
@@ -73,6 +75,7 @@ def main(out: Path) -> None:
         train(config(out, p, **no_sr(p)))
     train(config(out, "nvfp4-ac", activation_checkpointing=True, **no_sr("nvfp4")))
     train(config(out, "nvfp4-ddp", parallel="ddp", **no_sr("nvfp4")))
+    train(config(out, "nvfp4-cooldown", cooldown_frac=0.5, **no_sr("nvfp4")))
     train(config(out, "sr", precision="nvfp4", steps=6, checkpoint_interval=3))
     train(config(out, "sr-resumed", precision="nvfp4", steps=6, checkpoint_interval=3,
                  resume=str(out / "sr" / "checkpoint-step00000003.dcp")))
@@ -93,10 +96,14 @@ def main(out: Path) -> None:
 
     GPT.forward = nan_on_rank1
     try:
-        train(config(out, "nonfinite", precision="bf16", steps=3))
-        report["nonfinite"] = None
-    except NonFiniteError as exc:
-        report["nonfinite"] = {"step": exc.step, "what": exc.what}
+        try:
+            train(config(out, "nonfinite", precision="bf16", steps=3))
+            report["nonfinite"] = None
+        except NonFiniteError as exc:
+            report["nonfinite"] = {"step": exc.step, "what": exc.what}
+        calls.clear()
+        result = train(config(out, "nonfinite-skip", precision="bf16", steps=3, on_nonfinite="skip"))
+        report["skip"] = {"status": result.status, "skipped": result.skipped_steps}
     finally:
         GPT.forward = real_forward
     report["unsharded"] = unsharded_weight_check(ctx)

@@ -79,6 +79,7 @@ def one(tmp_path_factory) -> Path:
         train(config(out, f"{p}-accum", grad_accum_steps=2, **no_sr(p)))
     for p in ("fp32", "bf16"):
         train(config(out, f"{p}-batch", **no_sr(p)))
+    train(config(out, "nvfp4-cooldown-accum", grad_accum_steps=2, cooldown_frac=0.5, **no_sr("nvfp4")))
     return out
 
 
@@ -91,6 +92,7 @@ def test_two_ranks_reproduce_one_process_with_grad_accumulation(ranks, one, prec
 
 def test_ddp_and_activation_checkpointing_are_the_same_computation(ranks, one):
     assert_same_curve(ranks / "nvfp4-ddp", one / "nvfp4-accum")
+    assert json.loads((ranks / "nvfp4-ddp" / "run.json").read_text())["parallel"] == "ddp"
     # recomputing a block's forward in backward recomputes the same NVFP4 codes: bit for bit
     assert train_records(ranks / "nvfp4-ac") == [
         {**r, "tokens_per_s": r2["tokens_per_s"]} for r, r2 in
@@ -173,9 +175,20 @@ def test_decisions_are_agreed(ranks):
         assert rep["agree_any_rank1"] is True and rep["agree_any_none"] is False
         assert rep["mean_across"] == 0.5
         assert rep["nonfinite"] == {"step": 1, "what": "loss"}   # only rank 1 saw it; both stopped
+        assert rep["skip"] == {"status": "completed", "skipped": 1}   # or both skipped it
     nonfinite = [json.loads(line) for line in (ranks / "nonfinite" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in nonfinite if r["type"] == "nonfinite"] == [1]
     assert json.loads((ranks / "nonfinite" / "run.json").read_text())["status"] == "stopped_nonfinite"
+
+
+def test_bf16_cooldown_switches_every_rank_at_the_same_step(ranks, one):
+    events = [json.loads(line) for line in (ranks / "nvfp4-cooldown" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in events if r.get("event") == "bf16 cooldown"] == [2]
+    assert [r["precision"] for r in events if r["type"] == "train"] == ["nvfp4", "nvfp4", "bf16", "bf16"]
+    assert_same_curve(ranks / "nvfp4-cooldown", one / "nvfp4-cooldown-accum")
+    # the switch is visible in the numbers: from step 2 on the run leaves the NVFP4 run's curve
+    cooled, plain = [[r["loss"] for r in train_records(ranks / n)] for n in ("nvfp4-cooldown", "nvfp4")]
+    assert cooled[:2] == plain[:2] and cooled[2] != plain[2]
 
 
 def test_fsdp_layer_runs_on_the_unsharded_weight(ranks):
