@@ -270,3 +270,37 @@ def test_shard_rows():
              get_batch(tokens, 8, 16, g[2], rank=1, world_size=2)[0]]
     assert torch.equal(torch.cat(parts), whole)          # the same global batch for any world size
     assert torch.equal(g[0].get_state(), g[1].get_state())   # and the generator in step
+
+
+def test_dcp_checkpoint_is_complete_or_absent(tmp_path, monkeypatch):
+    """A DCP save that dies before its folder is renamed leaves the previous checkpoint the newest, and
+    its temporary folder is never read; in one process (no process group) save and load round-trip."""
+    from nvfp4lab.training import checkpoint as ck
+
+    def fresh(seed):
+        torch.manual_seed(seed)
+        model = GPT(TrainConfig(n_embd=32, seq_len=32).resolved().model_config())
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        return model, opt
+
+    model, opt = fresh(0)
+    meta = {"format": 1, "step": 1, "config": {}}
+    first = ck.save_distributed_checkpoint(tmp_path, model, opt, meta, rank=0, barrier=lambda: None)
+    real_write = ck._write_temporary
+
+    def dies(path, obj):   # the shards are written, the process is killed before meta.pt lands
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(ck, "_write_temporary", dies)
+    with pytest.raises(KeyboardInterrupt):
+        ck.save_distributed_checkpoint(tmp_path, *fresh(1), {**meta, "step": 2}, rank=0, barrier=lambda: None)
+    monkeypatch.setattr(ck, "_write_temporary", real_write)
+    assert (tmp_path / ".checkpoint-step00000002.dcp.tmp").is_dir()     # the partial write, under its temporary name
+    assert latest_distributed_checkpoint(tmp_path) == first
+    assert load_checkpoint(tmp_path)["step"] == 1
+    other, other_opt = fresh(2)
+    ck.load_distributed_state(first, other, other_opt)
+    assert all(torch.equal(a, b) for a, b in zip(model.state_dict().values(), other.state_dict().values()))
+    # the next save of that step clears the leftover and completes
+    again = ck.save_distributed_checkpoint(tmp_path, model, opt, {**meta, "step": 2}, rank=0, barrier=lambda: None)
+    assert latest_distributed_checkpoint(tmp_path) == again and not (tmp_path / ".checkpoint-step00000002.dcp.tmp").exists()

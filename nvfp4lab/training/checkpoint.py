@@ -283,7 +283,8 @@ def save_distributed_checkpoint(run_dir: str | os.PathLike, model: Any, optimize
             shutil.rmtree(tmp)
     barrier()
     model_sd, optim_sd = get_state_dict(model, optimizer)
-    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
+    with _single_process_quiet():   # one process (no process group) writes the whole state
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=str(tmp))
     if rank == 0:
         os.replace(_write_temporary(tmp / DCP_META_NAME, dict(meta)), tmp / DCP_META_NAME)
         if final.exists():   # the same step written again (a resumed run): move the old one aside
@@ -305,7 +306,7 @@ def save_distributed_checkpoint(run_dir: str | os.PathLike, model: Any, optimize
 
 @contextlib.contextmanager
 def _single_process_quiet():
-    """DCP warns when it loads without a process group; here that is the intent (one process)."""
+    """DCP warns when it runs without a process group; here that is the intent (one process)."""
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
         yield
@@ -344,6 +345,9 @@ def load_full_state(model: Any, optimizer: Any, saved: Mapping[str, Any], names:
         saved: the checkpoint (its ``model`` state dict and ``optimizer`` state dict with
             parameters numbered in optimizer order).
         names: the parameter names in optimizer order (the FQNs ``get_state_dict`` uses).
+
+    Raises:
+        ValueError: the checkpoint's optimizer holds another number of parameters than ``names``.
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_state_dict
 
