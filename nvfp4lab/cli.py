@@ -260,8 +260,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"nvfp4lab compare: error: {exc}", file=sys.stderr)
         return 2
-    print(result.table())
-    print(f"table: {result.table_path}\njson:  {result.json_path}\nplot:  {result.plot_path}")
+    if os.environ.get("RANK", "0") == "0":   # under torchrun: rank 0 reports
+        print(result.table())
+        print(f"table: {result.table_path}\njson:  {result.json_path}\nplot:  {result.plot_path}")
     return 0
 
 

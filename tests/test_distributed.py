@@ -243,6 +243,17 @@ def test_cli_one_process_checkpoint_resumed_by_two_ranks_then_export(tmp_path):
         "batch_size / grad_accum_steps sequences)"]
 
 
+def test_compare_under_torchrun_trains_every_variant_in_one_process_group(tmp_path):
+    r = torchrun("-m", "nvfp4lab", "compare", "--variants", "bf16,nvfp4", "--preset", "ci", "--n-embd", "32",
+                 "--seq-len", "32", "--batch-size", "4", "--steps", "1", "--eval-batches", "1", "--out", "c",
+                 cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
+    assert r.stdout.count("| nvfp4 | nvfp4 |") == 1   # rank 0 reports
+    runs = json.loads((tmp_path / "c" / "compare.json").read_text())["runs"]
+    assert {k: (v["status"], v["world_size"]) for k, v in runs.items()} == {
+        "bf16": ("completed", 2), "nvfp4": ("completed", 2)}
+
+
 def test_helpers_in_one_process():
     ctx = D.DistContext()
     assert D.agree_any(True, ctx) and not D.agree_any(False, ctx) and D.mean_across(3.0, ctx) == 3.0

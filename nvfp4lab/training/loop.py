@@ -112,7 +112,11 @@ def train(config: TrainConfig) -> RunResult:
     Under ``torchrun`` with ``WORLD_SIZE > 1`` every rank runs this same function: the model is
     spread by ``config.parallel`` (:mod:`nvfp4lab.training.distributed`), each rank trains on its
     rows of the global batch, checkpoints are DCP folders (``checkpoint-step<N>.dcp/``), and rank 0
-    alone writes the metrics, ``run.json`` and the plot. Every rank returns the result.
+    alone writes the metrics, ``run.json`` and the plot. Every rank returns the result. ``train``
+    creates the process group and destroys it at the end; a script that trains several times in one
+    ``torchrun`` launch initialises it first (``torch.distributed.init_process_group``, as
+    :func:`compare` does through :func:`~nvfp4lab.training.distributed.setup`), and each call
+    then uses it and leaves it up.
 
     Raises ``ValueError`` for an invalid config or an incompatible ``resume`` checkpoint,
     ``NonFiniteError`` when the loss or gradient goes non-finite with ``on_nonfinite="stop"``
@@ -491,7 +495,8 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
     ``<out>/<name>/``. A run that stops on a non-finite loss is recorded (status
     ``stopped_nonfinite``) and the comparison goes on. ``baseline`` names the variant the
-    relative gaps are computed against (None: no gaps).
+    relative gaps are computed against (None: no gaps). Under ``torchrun`` every variant trains on
+    all ranks in one process group, and rank 0 writes the table, the JSON and the plot.
     Raises ``ValueError`` for an unknown or duplicate variant name.
     """
     base = config
@@ -508,21 +513,27 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate variant names in {names}")
     runs: dict[str, RunResult] = {}
-    for name, c in named:
-        c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
-        try:
-            runs[name] = train(c)
-        except NonFiniteError as exc:
-            print(f"[compare] {exc}", file=sys.stderr)
-            assert exc.result is not None
-            runs[name] = exc.result
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = distributed.setup(config.device)   # one process group for all the runs (each train uses it)
+    try:
+        for name, c in named:
+            c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
+            try:
+                runs[name] = train(c)
+            except NonFiniteError as exc:
+                if ctx.is_main:
+                    print(f"[compare] {exc}", file=sys.stderr)
+                assert exc.result is not None
+                runs[name] = exc.result
+    finally:
+        distributed.teardown(ctx)
     table = format_table(runs, baseline if baseline in runs else None)
-    table_path = out_dir / "compare.md"
-    table_path.write_text(table + "\n")
-    json_path = out_dir / "compare.json"
-    write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
-    plot_path = plot_compare(runs, out_dir / "compare.png",
-                             title=f"validation loss, preset {base.preset}")
+    table_path, json_path = out_dir / "compare.md", out_dir / "compare.json"
+    plot_path = None
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(table + "\n")
+        write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
+        plot_path = plot_compare(runs, out_dir / "compare.png",
+                                 title=f"validation loss, preset {base.preset}")
     return CompareResult(runs, str(table_path), str(json_path), plot_path,
                          baseline if baseline in runs else None)
