@@ -41,9 +41,6 @@ ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("P
 LOSS_TOL = 2e-6
 NORM_RTOL = 1e-6   # gradient norms: FP32 sums of squares in another order
 
-pytestmark = pytest.mark.slow
-
-
 @pytest.fixture(scope="module", autouse=True)
 def one_thread():
     """The one-process runs use one thread, as each rank does (OMP_NUM_THREADS=1 in ENV)."""
@@ -95,6 +92,7 @@ def one(tmp_path_factory) -> Path:
     return out
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "nvfp4"])
 def test_two_ranks_reproduce_one_process_with_grad_accumulation(ranks, one, precision):
     assert_same_curve(ranks / precision, one / f"{precision}-accum")
@@ -102,6 +100,7 @@ def test_two_ranks_reproduce_one_process_with_grad_accumulation(ranks, one, prec
     assert run["world_size"] == 2 and run["parallel"] == "fsdp"
 
 
+@pytest.mark.slow
 def test_ddp_and_activation_checkpointing_are_the_same_computation(ranks, one):
     assert_same_curve(ranks / "nvfp4-ddp", one / "nvfp4-accum")
     assert json.loads((ranks / "nvfp4-ddp" / "run.json").read_text())["parallel"] == "ddp"
@@ -111,6 +110,7 @@ def test_ddp_and_activation_checkpointing_are_the_same_computation(ranks, one):
         zip(train_records(ranks / "nvfp4"), train_records(ranks / "nvfp4-ac"))]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("precision", ["fp32", "bf16"])
 def test_two_ranks_match_one_process_with_the_whole_batch(ranks, one, precision):
     """Without quantization one batch of B is two halves of B/2 up to rounding: FP32 round-off for
@@ -121,11 +121,13 @@ def test_two_ranks_match_one_process_with_the_whole_batch(ranks, one, precision)
         assert abs(x["loss"] - y["loss"]) <= tol, (x, y)
 
 
+@pytest.mark.slow
 def test_activation_checkpointing_in_one_process_is_bit_identical(tmp_path, one):
     run = train(config(tmp_path, "ac", grad_accum_steps=2, activation_checkpointing=True, **no_sr("nvfp4")))
     assert [r["loss"] for r in train_records(Path(run.out_dir))] == [r["loss"] for r in train_records(one / "nvfp4-accum")]
 
 
+@pytest.mark.slow
 def test_checkpoint_by_two_ranks_resumes_on_two_identically(ranks):
     """SR on: the continuation is bit-identical only if every rank's SR stream, the data position and
     the sharded AdamW state come back."""
@@ -142,6 +144,7 @@ def test_checkpoint_by_two_ranks_resumes_on_two_identically(ranks):
     assert latest_distributed_checkpoint(ranks / "sr").name == "checkpoint-step00000006.dcp"
 
 
+@pytest.mark.slow
 def test_checkpoint_by_two_ranks_resumes_in_one_process(ranks, one, tmp_path):
     """The 2-rank nvfp4 run's step-2 checkpoint, continued by one process with 2 micro-batches: the
     2-rank curve (same computation); and in another precision it loads and trains."""
@@ -153,6 +156,7 @@ def test_checkpoint_by_two_ranks_resumes_in_one_process(ranks, one, tmp_path):
     assert other.status == "completed" and other.final_val_loss < 5.6
 
 
+@pytest.mark.slow
 def test_export_gives_the_trained_weights(ranks, one, tmp_path):
     out = export_weights(ranks / "nvfp4", tmp_path / "w.pt")
     weights = torch.load(out, weights_only=True)
@@ -181,6 +185,7 @@ def test_export_gives_the_trained_weights(ranks, one, tmp_path):
     assert all(torch.equal(same[k], single[k]) for k in single)
 
 
+@pytest.mark.slow
 def test_decisions_are_agreed(ranks):
     reports = [json.loads((ranks / f"rank{r}.json").read_text()) for r in (0, 1)]
     for rep in reports:
@@ -193,6 +198,7 @@ def test_decisions_are_agreed(ranks):
     assert json.loads((ranks / "nonfinite" / "run.json").read_text())["status"] == "stopped_nonfinite"
 
 
+@pytest.mark.slow
 def test_bf16_cooldown_switches_every_rank_at_the_same_step(ranks, one):
     events = [json.loads(line) for line in (ranks / "nvfp4-cooldown" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in events if r.get("event") == "bf16 cooldown"] == [2]
@@ -203,6 +209,7 @@ def test_bf16_cooldown_switches_every_rank_at_the_same_step(ranks, one):
     assert cooled[:2] == plain[:2] and cooled[2] != plain[2]
 
 
+@pytest.mark.slow
 def test_fsdp_layer_runs_on_the_unsharded_weight(ranks):
     for r in (0, 1):
         u = json.loads((ranks / f"rank{r}.json").read_text())["unsharded"]
@@ -211,6 +218,7 @@ def test_fsdp_layer_runs_on_the_unsharded_weight(ranks):
         assert u["logits_equal"]
 
 
+@pytest.mark.slow
 def test_cli_one_process_checkpoint_resumed_by_two_ranks_then_export(tmp_path):
     """The command line end to end: one process writes checkpoint.pt, 2 ranks (FSDP2) continue it
     as the same computation, export reads the newer (DCP) checkpoint."""
@@ -243,6 +251,7 @@ def test_cli_one_process_checkpoint_resumed_by_two_ranks_then_export(tmp_path):
         "batch_size / grad_accum_steps sequences)"]
 
 
+@pytest.mark.slow
 def test_compare_under_torchrun_trains_every_variant_in_one_process_group(tmp_path):
     r = torchrun("-m", "nvfp4lab", "compare", "--variants", "bf16,nvfp4", "--preset", "ci", "--n-embd", "32",
                  "--seq-len", "32", "--batch-size", "4", "--steps", "1", "--eval-batches", "1", "--out", "c",
@@ -277,6 +286,9 @@ def test_setup_rejects_bad_torchrun_variables(monkeypatch):
     monkeypatch.setenv("RANK", "x")
     with pytest.raises(ValueError, match="RANK='x' is not an integer"):
         D.setup("cpu")
+    monkeypatch.setenv("RANK", "1")
+    with pytest.raises(ValueError, match="--device cuda:1 names one GPU but 2 ranks run: use --device cuda"):
+        D.setup("cuda:1")
 
 
 def test_shard_rows():
