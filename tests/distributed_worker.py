@@ -6,6 +6,7 @@ write their folders under ``OUT``. Scenarios:
 
 * ``<precision>``: 4 steps of fp32, bf16 and nvfp4 (SR off), gradient clipping off, FSDP2;
 * ``nvfp4-ac``: the nvfp4 run with activation checkpointing; ``nvfp4-ddp``: with DDP;
+  ``nvfp4-accum`` / ``nvfp4-ddp-accum``: 2 micro-batches per rank (FSDP2 / DDP);
 * ``sr`` (nvfp4, SR on, 6 steps, checkpoints at 3 and 6) and ``sr-resumed`` (from step 3);
 * ``nvfp4-cooldown``: BF16 for the last half of the steps;
 * ``nonfinite`` / ``nonfinite-skip``: rank 1 alone sees a NaN loss at step 1: every rank must stop
@@ -62,9 +63,16 @@ def unsharded_weight_check(ctx: D.DistContext) -> dict:
     with torch.autocast("cpu", dtype=torch.bfloat16), torch.no_grad():
         a, _ = sharded(x)
         b, _ = ref(x)
+    # one AdamW step: its moments are FP32 shards like the master weights
+    opt = torch.optim.AdamW(sharded.parameters(), lr=1e-3)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        sharded(x, x)[1].backward()
+    opt.step()
+    moment = opt.state[layer.weight]["exp_avg"]
     return {"param_type": type(layer.weight).__name__, "local_shape": list(layer.weight.to_local().shape),
-            "seen_in_forward": seen, "full_shape": list(ref.blocks[1].attn.qkv.weight.shape),
-            "logits_equal": bool(torch.equal(a, b))}
+            "param_dtype": str(layer.weight.dtype), "seen_in_forward": seen,
+            "full_shape": list(ref.blocks[1].attn.qkv.weight.shape), "logits_equal": bool(torch.equal(a, b)),
+            "moment": [type(moment).__name__, str(moment.dtype), list(moment.to_local().shape)]}
 
 
 def main(out: Path) -> None:
@@ -76,6 +84,8 @@ def main(out: Path) -> None:
     train(config(out, "nvfp4-ac", activation_checkpointing=True, **no_sr("nvfp4")))
     train(config(out, "nvfp4-ddp", parallel="ddp", **no_sr("nvfp4")))
     train(config(out, "nvfp4-cooldown", cooldown_frac=0.5, **no_sr("nvfp4")))
+    train(config(out, "nvfp4-accum", grad_accum_steps=2, **no_sr("nvfp4")))
+    train(config(out, "nvfp4-ddp-accum", grad_accum_steps=2, parallel="ddp", **no_sr("nvfp4")))
     train(config(out, "sr", precision="nvfp4", steps=6, checkpoint_interval=3))
     train(config(out, "sr-resumed", precision="nvfp4", steps=6, checkpoint_interval=3,
                  resume=str(out / "sr" / "checkpoint-step00000003.dcp")))

@@ -89,6 +89,7 @@ def one(tmp_path_factory) -> Path:
     for p in ("fp32", "bf16"):
         train(config(out, f"{p}-batch", **no_sr(p)))
     train(config(out, "nvfp4-cooldown-accum", grad_accum_steps=2, cooldown_frac=0.5, **no_sr("nvfp4")))
+    train(config(out, "nvfp4-accum4", grad_accum_steps=4, **no_sr("nvfp4")))
     return out
 
 
@@ -108,6 +109,16 @@ def test_ddp_and_activation_checkpointing_are_the_same_computation(ranks, one):
     assert train_records(ranks / "nvfp4-ac") == [
         {**r, "tokens_per_s": r2["tokens_per_s"]} for r, r2 in
         zip(train_records(ranks / "nvfp4"), train_records(ranks / "nvfp4-ac"))]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("parallel", ["fsdp", "ddp"])
+def test_grad_accumulation_on_each_rank(ranks, one, parallel):
+    """2 ranks x 2 micro-batches of B/4 and one process x 4 micro-batches of B/4: the same rows per
+    micro-batch, the gradient summed in another association, ((g0+g1)/2 + (g2+g3)/2)/2 against
+    g0/4 + g1/4 + g2/4 + g3/4: FP32 round-off."""
+    run = "nvfp4-accum" if parallel == "fsdp" else "nvfp4-ddp-accum"
+    assert_same_curve(ranks / run, one / "nvfp4-accum4")
 
 
 @pytest.mark.slow
@@ -214,8 +225,12 @@ def test_fsdp_layer_runs_on_the_unsharded_weight(ranks):
     for r in (0, 1):
         u = json.loads((ranks / f"rank{r}.json").read_text())["unsharded"]
         assert u["param_type"] == "DTensor" and u["local_shape"] == [u["full_shape"][0] // 2, u["full_shape"][1]]
-        assert u["seen_in_forward"] == [["Parameter", u["full_shape"]]]
+        # every forward (evaluation, then training) ran on the full weight
+        assert len(u["seen_in_forward"]) == 2 and all(w == ["Parameter", u["full_shape"]] for w in u["seen_in_forward"])
         assert u["logits_equal"]
+        # FP32 master weights and AdamW moments, both sharded
+        local = [u["full_shape"][0] // 2, u["full_shape"][1]]
+        assert u["param_dtype"] == "torch.float32" and u["moment"] == ["DTensor", "torch.float32", local]
 
 
 @pytest.mark.slow
