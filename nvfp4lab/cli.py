@@ -18,6 +18,9 @@ Built in here:
 
 * ``nvfp4lab train --precision {bf16,fp32,fp8,nvfp4} [recipe options] --preset ... --steps ... --out DIR``
 * ``nvfp4lab compare --variants bf16,fp8,nvfp4,nvfp4-no-rht,... [same options] --out DIR``
+* ``torchrun --nproc-per-node N -m nvfp4lab train [--parallel fsdp|ddp] ...``: the same training
+  spread over N ranks (FSDP2 by default; NCCL on CUDA, gloo on the CPU)
+* ``nvfp4lab export RUN_OR_CKPT OUT.pt``: a checkpoint's FP32 weights as one state-dict file
 
 Exit codes: 0 success, 2 bad arguments (argparse) or invalid configuration, with one line
 ``nvfp4lab <cmd>: error: ...`` on stderr (a missing or corrupt checkpoint, an unavailable device,
@@ -133,6 +136,14 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
                    help="which GEMMs the switch moves to BF16: all (default), fprop (the forward GEMMs: most of "
                         "the gain, paper appendix D) or bwd (Dgrad and Wgrad; NVFP4 layers)")
 
+    s = p.add_argument_group("batch and memory")
+    s.add_argument("--grad-accum-steps", type=_positive_int, default=1,
+                   help="micro-batches per optimizer step; --batch-size stays the global batch, so each "
+                        "micro-batch holds batch_size / (ranks x grad_accum_steps) sequences (default 1)")
+    s.add_argument("--activation-checkpointing", action="store_true",
+                   help="recompute each transformer block's activations in backward instead of keeping them "
+                        "(torch.utils.checkpoint; less memory, one more forward)")
+
     b = p.add_argument_group("bookkeeping")
     b.add_argument("--eval-interval", type=_positive_int, help="steps between validations (default: preset)")
     b.add_argument("--eval-batches", type=_positive_int, help="validation batches (default: preset)")
@@ -206,6 +217,8 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         graph_optimizer=args.graph_optimizer, compile=args.compile,
         progress=args.progress if args.progress is not None else (None if sys.stderr.isatty() else "lines"),
         plot=args.plot, extend_schedule=getattr(args, "extend_schedule", False),
+        grad_accum_steps=args.grad_accum_steps, activation_checkpointing=args.activation_checkpointing,
+        parallel=getattr(args, "parallel", "fsdp"),
         out=getattr(args, "out", None), resume=getattr(args, "resume", None),
         name=getattr(args, "name", None),
     )
@@ -249,7 +262,8 @@ def _cmd_train(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"nvfp4lab train: error: {exc}", file=sys.stderr)
         return 2
-    _print_run(result)
+    if result.world_size == 1 or os.environ.get("RANK", "0") == "0":   # under torchrun: rank 0 reports
+        _print_run(result)
     return 0
 
 
@@ -269,8 +283,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"nvfp4lab compare: error: {exc}", file=sys.stderr)
         return 2
-    print(result.table())
-    print(f"table: {result.table_path}\njson:  {result.json_path}\nplot:  {result.plot_path}")
+    if os.environ.get("RANK", "0") == "0":   # under torchrun: rank 0 reports
+        print(result.table())
+        print(f"table: {result.table_path}\njson:  {result.json_path}\nplot:  {result.plot_path}")
     return 0
 
 
@@ -298,8 +313,34 @@ def _register_train(subparsers) -> None:
     p.add_argument("--extend-schedule", action="store_true",
                    help="with --resume and a larger --steps: stretch the learning-rate schedule over the new "
                         "--steps (default: keep the checkpoint's schedule; the LR stays at its final value past it)")
+    p.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp",
+                   help="under torchrun with several ranks: fsdp shards weights, gradients and AdamW states with "
+                        "FSDP2 (default); ddp replicates them. Ignored in one process")
     _add_common_options(p)
     p.set_defaults(func=_cmd_train)
+
+
+def _cmd_export(args: argparse.Namespace) -> int:
+    from .training import CheckpointError, export_weights
+
+    try:
+        out = export_weights(args.checkpoint, args.out)
+    except (CheckpointError, FileNotFoundError) as exc:
+        print(f"nvfp4lab export: error: {exc}", file=sys.stderr)
+        return 2
+    print(f"weights: {out} (torch.load(..., weights_only=True) gives the model's state dict)")
+    return 0
+
+
+@register_subcommand("export")
+def _register_export(subparsers) -> None:
+    p = subparsers.add_parser("export", help="write a checkpoint's weights as one state-dict file",
+                              description="Write the FP32 model weights of a checkpoint (a run folder, a "
+                                          "checkpoint.pt or a distributed checkpoint-step<N>.dcp folder) as one "
+                                          "torch.save file of a plain state dict, loadable with weights_only=True.")
+    p.add_argument("checkpoint", metavar="RUN_OR_CKPT", help="run folder, checkpoint.pt or DCP checkpoint folder")
+    p.add_argument("out", metavar="OUT.pt", help="the file to write")
+    p.set_defaults(func=_cmd_export)
 
 
 @register_subcommand("compare")

@@ -15,6 +15,9 @@
 * **Batches.** Training batches are random windows of ``seq_len + 1`` tokens drawn with a
   caller-supplied ``torch.Generator`` (its state goes into checkpoints). Validation uses a fixed
   set of evenly spaced windows, identical for every run and precision.
+* **Ranks.** Under data parallelism every rank draws the same global batch (same generator,
+  same state) and keeps its contiguous slice of rows (:func:`shard_rows`), so the global batch,
+  and the generator's position, do not depend on the number of ranks.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from typing import Any
 import torch
 
 __all__ = ["Corpus", "ByteTokenizer", "DataSplit", "load_corpus", "split_tokens",
-           "get_batch", "validation_batches", "BUILTIN_CORPUS"]
+           "get_batch", "shard_rows", "validation_batches", "BUILTIN_CORPUS"]
 
 BUILTIN_CORPUS = "pydoc_data.topics"
 
@@ -160,17 +163,43 @@ def split_tokens(tokens: torch.Tensor, *, chunk_bytes: int = 4096, val_every: in
     return DataSplit(torch.cat(train), torch.cat(val), chunk_bytes, val_every)
 
 
-def get_batch(tokens: torch.Tensor, batch_size: int, seq_len: int,
-              generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
-    """``batch_size`` random windows: inputs ``x`` and next-token targets ``y``, int64 [B, T].
+def shard_rows(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    """Rank ``rank``'s contiguous slice of the rows of ``t`` (dim 0), ``len(t) / world_size`` of them.
 
-    Start offsets are drawn uniformly with ``generator`` (CPU). Raises ``ValueError`` if the
-    stream is shorter than ``seq_len + 1``.
+    Args:
+        t: a tensor of shape [N, ...] with ``N`` divisible by ``world_size``.
+        rank: in ``[0, world_size)``.
+        world_size: number of slices (>= 1).
+
+    Returns:
+        A view ``t[rank * N/W : (rank + 1) * N/W]``.
+
+    Raises:
+        ValueError: ``N`` not divisible by ``world_size`` or ``rank`` out of range.
+    """
+    if world_size < 1 or not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not in [0, world_size={world_size})")
+    n = t.shape[0]
+    if n % world_size:
+        raise ValueError(f"{n} rows do not split evenly over {world_size} ranks (batch_size must be a multiple "
+                         "of the number of ranks)")
+    per = n // world_size
+    return t[rank * per:(rank + 1) * per]
+
+
+def get_batch(tokens: torch.Tensor, batch_size: int, seq_len: int, generator: torch.Generator, *,
+              rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random windows: inputs ``x`` and next-token targets ``y``, int64 [batch_size / world_size, T].
+
+    ``batch_size`` start offsets (the global batch) are drawn uniformly with ``generator`` (CPU),
+    whatever the rank, so every rank's generator stays in step; rank ``rank`` of ``world_size``
+    keeps its slice (:func:`shard_rows`). Raises ``ValueError`` if the stream is shorter than
+    ``seq_len + 1`` or the batch does not split over the ranks.
     """
     n = tokens.numel() - seq_len - 1
     if n < 0:
         raise ValueError(f"token stream of {tokens.numel()} tokens is shorter than seq_len+1={seq_len + 1}")
-    starts = torch.randint(0, n + 1, (batch_size,), generator=generator)
+    starts = shard_rows(torch.randint(0, n + 1, (batch_size,), generator=generator), rank, world_size)
     idx = starts[:, None] + torch.arange(seq_len + 1)[None, :]
     w = tokens[idx]
     return w[:, :-1], w[:, 1:]

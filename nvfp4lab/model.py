@@ -30,6 +30,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+import torch.utils.checkpoint
 
 __all__ = ["GPTConfig", "GPT", "PRESETS", "get_preset"]
 
@@ -211,7 +212,15 @@ class GPT(nn.Module):
 
     Initialisation as GPT-2/nanoGPT: N(0, 0.02) weights, zero biases, and the residual output
     projections (``attn.proj``, ``mlp.proj``) scaled by ``1/sqrt(2 n_layer)``.
+
+    ``activation_checkpointing`` (attribute, default False): while gradients are recorded, each
+    block runs under ``torch.utils.checkpoint`` (non-reentrant): its activations are recomputed
+    in backward instead of kept, trading one more forward per block for their memory. The
+    recomputed forward is the same computation (the quantized layers' forward is deterministic;
+    stochastic rounding only touches backward operands).
     """
+
+    activation_checkpointing: bool = False
 
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
@@ -243,6 +252,7 @@ class GPT(nn.Module):
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
         x = embed_tokens(self, idx)
+        recompute = self.activation_checkpointing and torch.is_grad_enabled()
         for block in self.blocks:
-            x = block(x)
+            x = torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False) if recompute else block(x)
         return lm_head_and_loss(self, x, targets)

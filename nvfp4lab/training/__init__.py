@@ -35,11 +35,16 @@ and the previous good one. A resumed run keeps its learning-rate schedule unless
 ``extend_schedule`` is set. Resuming on
 CPU with the same config continues bit-identically; resuming in another precision works because
 the quantized layers share ``nn.Linear``'s parameters and state-dict keys.
+
+Scaling out: under ``torchrun`` the same :func:`train` runs on every rank with FSDP2 (default) or
+DDP (:mod:`nvfp4lab.training.distributed`), the global batch split by rank (``batch_size`` means
+the same for any number of ranks), DCP checkpoints any number of ranks resumes from, and
+``grad_accum_steps`` / ``activation_checkpointing`` in one process or many.
 """
 
 
-from .checkpoint import (CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, CheckpointError, load_checkpoint,
-                         save_checkpoint)
+from .checkpoint import (CHECKPOINT_NAME, PREVIOUS_CHECKPOINT_NAME, CheckpointError, export_weights,
+                         latest_distributed_checkpoint, load_checkpoint, save_checkpoint)
 from .config import TRAIN_PRESETS, VARIANTS, TrainConfig, lr_at
 from .loop import NonFiniteError, compare, train
 from .report import CompareResult, RunResult, draw_val_curves, format_table, plot_compare, plot_metrics
@@ -49,5 +54,5 @@ __all__ = [
     "TrainConfig", "RunResult", "CompareResult", "NonFiniteError", "train", "compare",
     "TRAIN_PRESETS", "VARIANTS", "save_checkpoint", "load_checkpoint", "lr_at",
     "plot_metrics", "plot_compare", "draw_val_curves", "format_table", "CHECKPOINT_NAME", "PREVIOUS_CHECKPOINT_NAME", "CheckpointError",
-    "GraphedStep", "GRAPH_WARMUP_STEPS",
+    "GraphedStep", "GRAPH_WARMUP_STEPS", "export_weights", "latest_distributed_checkpoint",
 ]

@@ -14,6 +14,7 @@ from ..linear import block_recipe_for
 from ..model import GPTConfig, get_preset
 from ..precisions import EMULATED, TE_BACKEND, canonical_name
 from ..recipe import NVFP4Recipe
+from .distributed import PARALLEL_MODES
 
 __all__ = ["TrainConfig", "TRAIN_PRESETS", "VARIANTS", "lr_at"]
 
@@ -105,6 +106,13 @@ class TrainConfig:
     Throughput: ``tokens_per_s`` of the result excludes the first ``timing_warmup_steps`` steps of
     the session (None: ``min(10, steps // 5)``): warm-up, graph capture, Triton compilation; the
     all-steps figure and the warm-up time are reported beside it.
+    Scaling out: ``batch_size`` is the global batch, the same for any number of ranks. Each step
+    draws it once, rank ``r`` of ``W`` takes its ``batch_size / W`` rows, and runs them as
+    ``grad_accum_steps`` micro-batches (``batch_size`` must be divisible by
+    ``W * grad_accum_steps``). Under ``torchrun`` with more than one rank the model is spread by
+    ``parallel``: "fsdp" (FSDP2 ``fully_shard``, default) or "ddp"
+    (:mod:`nvfp4lab.training.distributed`). ``activation_checkpointing`` recomputes each
+    transformer block's activations in backward (``torch.utils.checkpoint``) instead of keeping them.
 
     :meth:`resolved` fills the preset values and validates (``ValueError`` naming the field).
     """
@@ -158,6 +166,9 @@ class TrainConfig:
     extend_schedule: bool = False
     graph_optimizer: bool = False
     timing_warmup_steps: int | None = None
+    grad_accum_steps: int = 1
+    activation_checkpointing: bool = False
+    parallel: str = "fsdp"
 
     # -- resolution and validation
     def resolved(self) -> "TrainConfig":
@@ -257,6 +268,20 @@ class TrainConfig:
         if self.timing_warmup_steps is not None and (isinstance(self.timing_warmup_steps, bool) or not isinstance(
                 self.timing_warmup_steps, int) or self.timing_warmup_steps < 0):
             raise ValueError(f"TrainConfig.timing_warmup_steps must be an int >= 0 or None, got {self.timing_warmup_steps!r}")
+        if isinstance(self.grad_accum_steps, bool) or not isinstance(self.grad_accum_steps, int) or \
+                self.grad_accum_steps <= 0:
+            raise ValueError(f"TrainConfig.grad_accum_steps must be a positive int, got {self.grad_accum_steps!r}")
+        if self.batch_size % self.grad_accum_steps:
+            raise ValueError(f"batch_size={self.batch_size} is not divisible by grad_accum_steps="
+                             f"{self.grad_accum_steps} (each micro-batch holds batch_size / grad_accum_steps sequences)")
+        if self.parallel not in PARALLEL_MODES:
+            raise ValueError(f"TrainConfig.parallel must be one of {', '.join(PARALLEL_MODES)}, got {self.parallel!r}")
+        if self.activation_checkpointing and self.backend != "nvfp4lab":
+            raise ValueError("activation_checkpointing is implemented for the nvfp4lab backend's GPT, "
+                             f"not backend {self.backend!r}")
+        if self.cuda_graph and (self.grad_accum_steps > 1 or self.activation_checkpointing):
+            raise ValueError("cuda_graph captures one forward and backward per step: it does not combine with "
+                             "grad_accum_steps > 1 or activation_checkpointing")
         if self.progress not in (None, True, False, "lines"):
             raise ValueError(f"TrainConfig.progress must be None, True, False or 'lines', got {self.progress!r}")
         if self.schedule_steps is not None and (isinstance(self.schedule_steps, bool) or not isinstance(

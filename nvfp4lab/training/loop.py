@@ -16,7 +16,7 @@ from typing import Any, Mapping, Sequence
 import torch
 import torch.nn as nn
 
-from ..data import ByteTokenizer, get_batch, load_corpus, split_tokens, validation_batches
+from ..data import ByteTokenizer, get_batch, load_corpus, shard_rows, split_tokens, validation_batches
 from ..fp8_recipes import DELAYED_SCALING_BUFFERS
 from ..linear import block_recipe_for, convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
@@ -24,7 +24,9 @@ from ..health import HEALTH_NAME, health_pass
 from ..precisions import canonical_name
 from ..provenance import environment
 from ..rounding import SRStream
-from .checkpoint import CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint, save_checkpoint
+from . import distributed
+from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint,
+                         load_distributed_state, load_full_state, save_checkpoint, save_distributed_checkpoint)
 from .config import TrainConfig, lr_at
 from .report import CompareResult, RunResult, format_table, plot_compare, plot_metrics, read_jsonl, write_json
 from .monitor import SpikeDetector
@@ -142,6 +144,24 @@ def train(config: TrainConfig) -> RunResult:
     ``fallback_chain`` (an event in ``metrics.jsonl``; ``run.json``'s ``precision_segments`` list
     each precision's steps). A run resumed after a crash continues in the precision its checkpoint
     was in. When the chain is exhausted the last session's error is raised.
+
+    Writes into ``config.out`` (default ``runs/<name>``): ``metrics.jsonl`` (one JSON object per
+    line: ``type`` "train" / "eval" / "event"), ``run.json`` (the :class:`RunResult`),
+    ``loss.png`` and ``checkpoint.pt``.
+
+    Under ``torchrun`` with ``WORLD_SIZE > 1`` every rank runs this same function: the model is
+    spread by ``config.parallel`` (:mod:`nvfp4lab.training.distributed`), each rank trains on its
+    rows of the global batch, checkpoints are DCP folders (``checkpoint-step<N>.dcp/``), and rank 0
+    alone writes the metrics, ``run.json`` and the plot. Every rank returns the result. ``train``
+    creates the process group and destroys it at the end; a script that trains several times in one
+    ``torchrun`` launch initialises it first (``torch.distributed.init_process_group``, as
+    :func:`compare` does through :func:`~nvfp4lab.training.distributed.setup`), and each call
+    then uses it and leaves it up.
+
+    Raises:
+        ValueError: an invalid config or an incompatible ``resume`` checkpoint.
+        NonFiniteError: the loss or gradient went non-finite with ``on_nonfinite="stop"``, or the
+            fallback chain is exhausted (on every rank: the decision is agreed).
     """
     cfg = config.resolved()
     segments: list[dict[str, Any]] = []
@@ -184,32 +204,43 @@ def _fallback_config(cfg: TrainConfig, precision: str, checkpoint: str) -> Train
 
 
 def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResult:
-    """One training session in one precision (:func:`train` chains them on a fallback).
+    """One training session in one precision (:func:`train` chains them on a fallback), in the
+    process group of this launch (:func:`~nvfp4lab.training.distributed.setup`)."""
+    ctx = distributed.setup(cfg.device)
+    try:
+        return _train(cfg, ctx, segments)
+    finally:
+        distributed.teardown(ctx)
 
-    Writes into ``config.out`` (default ``runs/<name>``): ``metrics.jsonl`` (one JSON object per
-    line: ``type`` "train" / "eval" / "event"), ``run.json`` (the :class:`RunResult`),
-    ``loss.png`` and ``checkpoint.pt``.
 
-    Raises ``ValueError`` for an invalid config or an incompatible ``resume`` checkpoint,
-    ``NonFiniteError`` when the loss or gradient goes non-finite with ``on_nonfinite="stop"``.
-    """
+def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[str, Any]]) -> RunResult:
+    """:func:`train`'s body for a resolved config on this rank of ``ctx``."""
     from tqdm.auto import tqdm
 
     t_start = time.perf_counter()
     if cfg.threads is not None:
         torch.set_num_threads(cfg.threads)
-    device = torch.device(cfg.device)
+    device = ctx.device
+    if ctx.distributed:
+        if cfg.backend != "nvfp4lab" or cfg.cuda_graph:
+            raise ValueError(f"distributed training ({ctx.world_size} ranks) runs the nvfp4lab backend without "
+                             "cuda_graph")
+        if cfg.batch_size % (ctx.world_size * cfg.grad_accum_steps):
+            raise ValueError(f"batch_size={cfg.batch_size} is not divisible by {ctx.world_size} ranks x "
+                             f"grad_accum_steps={cfg.grad_accum_steps} (the global batch is split evenly)")
 
     # data (pure function of the bytes)
     corpus = load_corpus(cfg.text)
     tokenizer = ByteTokenizer()
     split = split_tokens(tokenizer.encode(corpus.text), chunk_bytes=cfg.chunk_bytes, val_every=cfg.val_every)
     data_info = {"corpus": corpus.describe(), "tokenizer": tokenizer.describe(), "split": split.describe()}
-    val_batches = validation_batches(split.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)
+    val_batches = [(shard_rows(x, ctx.rank, ctx.world_size), shard_rows(y, ctx.rank, ctx.world_size))
+                   for x, y in validation_batches(split.val, cfg.batch_size, cfg.seq_len, cfg.eval_batches)]
 
     # model and precision; all randomness derives from the seed
     torch.manual_seed(cfg.seed)
-    sr_gen = SRStream(cfg.seed + 1_000_003, device)  # device-resident: CUDA graphs replay fresh draws
+    # device-resident SR keys (CUDA graphs replay fresh draws); distinct per rank, rank 0's the single-process one
+    sr_gen = SRStream(distributed.sr_seed(cfg.seed, ctx.rank), device)
     data_gen = torch.Generator().manual_seed(cfg.seed + 2_000_003)
     if cfg.backend == "te":
         # Raises TransformerEngineUnavailable / NVFP4NotSupported (with the fallbacks) up front.
@@ -227,6 +258,8 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
         layers = {k: sum(1 for v in precisions.values() if v == k) for k in ("nvfp4", "fp8", "high")}
         if "mxfp4" in precisions.values():
             layers["mxfp4"] = sum(1 for v in precisions.values() if v == "mxfp4")
+        model.activation_checkpointing = cfg.activation_checkpointing
+    net = distributed.wrap_model(model, cfg.parallel, ctx)   # what runs the steps (model itself in one process)
     if cfg.graph_optimizer:  # the step's CUDA graph holds the update: fused AdamW, a device lr, found_inf
         optimizer = torch.optim.AdamW(param_groups(model, cfg.weight_decay), lr=torch.tensor(cfg.lr, device=device),
                                       betas=(cfg.beta1, cfg.beta2), eps=1e-8, fused=True, capturable=True)
@@ -237,7 +270,7 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     own_flags = [{k: g[k] for k in ("lr", "fused", "capturable", "foreach") if k in g} for g in optimizer.param_groups]
 
     out = Path(cfg.out if cfg.out else Path("runs") / cfg.name)
-    say = _reporter(cfg)
+    say = _reporter(cfg) if ctx.is_main else (lambda msg: None)
     start_step, best_val, skipped, elapsed_before = 0, None, 0, 0.0
     schedule_steps = cfg.schedule_steps or cfg.steps
     val_curve: list[list[float]] = []
@@ -245,8 +278,13 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     if cfg.resume:
         saved = load_checkpoint(cfg.resume)
         check_resume_compatible(saved, cfg, data_info)
-        _load_model_state(model, saved["model"])
-        optimizer.load_state_dict(saved["optimizer"])
+        if "dcp" in saved:   # sharded on disk: DCP reshards onto however many ranks run now
+            load_distributed_state(saved["dcp"], net, optimizer)
+        elif ctx.distributed:
+            load_full_state(net, optimizer, saved, _param_names(model, optimizer))
+        else:
+            _load_model_state(model, saved["model"])
+            optimizer.load_state_dict(saved["optimizer"])
         for g, flags in zip(optimizer.param_groups, own_flags):  # this run's implementation, not the saved one's
             g.update(flags)
         if cfg.graph_optimizer:  # a fused, capturable AdamW keeps its step counts on the device
@@ -255,11 +293,16 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
                     st["step"] = st["step"].to(device=device, dtype=torch.float32)
         start_step = int(saved["step"])
         rng = saved["rng"]
-        torch.set_rng_state(rng["torch"])
+        # a single-process checkpoint holds rank 0's states; a DCP one every rank's (lists)
+        torch_states = rng["torch_ranks"] if "torch_ranks" in rng else [rng["torch"]]
+        sr_states = rng["sr_ranks"] if "sr_ranks" in rng else [rng.get("sr")]
+        if ctx.rank < len(torch_states):
+            torch.set_rng_state(torch_states[ctx.rank])
         data_gen.set_state(rng["data"])
-        # The SR stream's state ([key, counter], int64) is the same on every device. (Checkpoints of
-        # an older format held a torch.Generator state, device-specific: the stream then stays fresh.)
-        sr_state = rng.get("sr")
+        # The SR stream's state ([key, counter], int64) is the same on every device; it is restored
+        # when the checkpoint has this rank's, otherwise the stream stays freshly seeded from (seed,
+        # rank). (Checkpoints of an older format held a device-specific torch.Generator state.)
+        sr_state = sr_states[ctx.rank] if ctx.rank < len(sr_states) else None
         if sr_state is not None and sr_state.dtype == torch.int64 and tuple(sr_state.shape) == (2,):
             sr_gen.set_state(sr_state)
         best_val = saved.get("best_val_loss")
@@ -287,33 +330,45 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     cfg.schedule_steps = schedule_steps
     out.mkdir(parents=True, exist_ok=True)
     metrics_path = out / "metrics.jsonl"
-    # On resume, keep the history up to the checkpoint and drop what came after it.
-    kept = [r for r in read_jsonl(metrics_path) if r.get("step", 0) <= start_step and
-            not (r.get("type") == "train" and r.get("step", 0) >= start_step)] if cfg.resume else []
-    with open(metrics_path, "w") as f:
-        for r in kept:
-            f.write(json.dumps(r) + "\n")
-    metrics = open(metrics_path, "a")
+    metrics = None
+    if ctx.is_main:   # one metrics file per run, written by rank 0
+        # On resume, keep the history up to the checkpoint and drop what came after it.
+        kept = [r for r in read_jsonl(metrics_path) if r.get("step", 0) <= start_step and
+                not (r.get("type") == "train" and r.get("step", 0) >= start_step)] if cfg.resume else []
+        with open(metrics_path, "w") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        metrics = open(metrics_path, "a")
 
     def log(rec: dict[str, Any]) -> None:
-        metrics.write(json.dumps(rec) + "\n")
-        metrics.flush()
+        if metrics is not None:
+            metrics.write(json.dumps(rec) + "\n")
+            metrics.flush()
 
     cooldown_start = (cfg.cooldown_step if cfg.cooldown_step is not None else
                       schedule_steps - int(round(cfg.cooldown_frac * schedule_steps)) if cfg.cooldown_frac > 0 else None)
     last_ckpt: str | None = None
     if cfg.resume:
-        rp = Path(cfg.resume)
-        last_ckpt = str(rp / CHECKPOINT_NAME if rp.is_dir() else rp)
+        last_ckpt = saved.get("dcp") or str(Path(cfg.resume) / CHECKPOINT_NAME if Path(cfg.resume).is_dir()
+                                            else cfg.resume)
 
     def make_state(step: int) -> dict[str, Any]:
+        """The checkpoint: in one process everything; distributed, all but the model and optimizer
+        (DCP writes their shards) with every rank's RNG and SR generator states."""
+        if ctx.distributed:
+            states = distributed.gather_objects((torch.get_rng_state(), sr_gen.get_state().cpu()), ctx)
+            rng = {"torch_ranks": [t for t, _ in states], "sr_ranks": [g for _, g in states],
+                   "data": data_gen.get_state()}
+            payload: dict[str, Any] = {"world_size": ctx.world_size, "parallel": cfg.parallel}
+        else:
+            rng = {"torch": torch.get_rng_state(), "data": data_gen.get_state(), "sr": sr_gen.get_state()}
+            payload = {"model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
+                       "optimizer": _portable(optimizer.state_dict())}
         return {
             "format": CHECKPOINT_FORMAT,
             "step": step,
-            "model": {k: v.detach().to("cpu", copy=True) for k, v in model.state_dict().items()},
-            "optimizer": _portable(optimizer.state_dict()),
-            "rng": {"torch": torch.get_rng_state(), "data": data_gen.get_state(),
-                    "sr": sr_gen.get_state()},
+            **payload,
+            "rng": rng,
             "config": cfg.to_dict(),
             "data": data_info,
             "best_val_loss": best_val,
@@ -349,12 +404,17 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
             precision_segments=(segments + [{"precision": cfg.precision,
                                              "from_step": segments[-1]["to_step"],
                                              "to_step": int(steps_completed), "ended_by": status}]
-                                if segments else None))
+                                if segments else None), world_size=ctx.world_size,
+            parallel=cfg.parallel if ctx.distributed else None)
 
     def checkpoint(step: int) -> None:
         nonlocal last_ckpt
-        save_checkpoint(ckpt_path, make_state(step))
-        last_ckpt = str(ckpt_path)
+        if ctx.distributed:
+            last_ckpt = str(save_distributed_checkpoint(out, net, optimizer, make_state(step), rank=ctx.rank,
+                                                        barrier=lambda: distributed.barrier(ctx)))
+        else:
+            save_checkpoint(ckpt_path, make_state(step))
+            last_ckpt = str(ckpt_path)
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -375,9 +435,9 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     bar = tqdm(total=cfg.steps, initial=start_step, desc=cfg.name, unit="step", dynamic_ncols=True,
                disable=None if cfg.progress is None else cfg.progress is not True, file=sys.stderr)
     progress_line = _ProgressLines(cfg.steps, tokens_per_step) if cfg.progress == "lines" else None
-    model.train()
+    net.train()
     cooled = False
-    step_model = torch.compile(model) if cfg.compile else model  # evaluation stays eager
+    step_model = torch.compile(net) if cfg.compile else net  # evaluation stays eager
     graphed = GraphedStep(step_model, params, cfg.precision, device, cfg.grad_clip,
                           (),  # the SR stream needs no registration (its state is a device tensor)
                           optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
@@ -390,7 +450,7 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     warmup_left = GRAPH_WARMUP_STEPS
     try:
         for step in range(start_step, cfg.steps):
-            if cooldown_start is not None and step >= cooldown_start and not cooled:
+            if cooldown_start is not None and not cooled and distributed.agree_any(step >= cooldown_start, ctx):
                 if cfg.backend == "te":
                     model.quantize_enabled = False
                 else:
@@ -410,7 +470,8 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
                 else:
                     g["lr"] = lr
             t0 = time.perf_counter()
-            x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen)
+            x, y = get_batch(split.train, cfg.batch_size, cfg.seq_len, data_gen, rank=ctx.rank,
+                             world_size=ctx.world_size)
             x, y = x.to(device), y.to(device)
             if cfg.health_interval and step % cfg.health_interval == 0:
                 t_health = time.perf_counter()   # a side-effect-free extra pass (nvfp4lab.health)
@@ -438,16 +499,25 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
                     warmup_left -= 1
                 with torch.cuda.stream(side) if side is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
-                    with autocast_for(cfg.precision, device):
-                        _, loss = step_model(x, y)
-                    loss_val = float(loss.detach())
-                    if not math.isfinite(loss_val):
+                    micro, local = cfg.grad_accum_steps, 0.0
+                    for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
+                        # the gradients are reduced across ranks with the last micro-batch only
+                        with distributed.grad_sync(net, i == micro - 1):
+                            with autocast_for(cfg.precision, device):
+                                _, loss = step_model(xm, ym)
+                            part = float(loss.detach())
+                            local += part
+                            # one process skips a backward through a non-finite loss; ranks all run
+                            # it (its collectives must match) and decide together below
+                            if ctx.distributed or math.isfinite(part):
+                                (loss / micro if micro > 1 else loss).backward()
+                    loss_val = distributed.mean_across(local / micro, ctx)
+                    if distributed.agree_any(not math.isfinite(local), ctx):
                         bad = "loss"
                         grad_norm = float("nan")
                     else:
-                        loss.backward()
                         grad_norm = float(clip_and_norm(params, cfg.grad_clip))
-                        if not math.isfinite(grad_norm):
+                        if distributed.agree_any(not math.isfinite(grad_norm), ctx):
                             bad = "gradient norm"
                 if side is not None:
                     torch.cuda.current_stream(device).wait_stream(side)
@@ -497,7 +567,7 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
                 log({"type": "train", "step": step, "loss": loss_val, "lr": lr, "grad_norm": grad_norm,
                      "tokens_per_s": tokens_per_step / dt if dt > 0 else None, "precision": active})
             if done % cfg.eval_interval == 0 or done == cfg.steps:
-                v = _evaluate(model, val_batches, cfg.precision, device)
+                v = distributed.mean_across(_evaluate(net, val_batches, cfg.precision, device), ctx)
                 val_curve.append([done, v])
                 best_val = v if best_val is None else min(best_val, v)
                 log({"type": "eval", "step": done, "val_loss": v, "precision": active})
@@ -514,18 +584,27 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     except NonFiniteError as exc:
         result = make_result(status, message, step, None)
         exc.result = result
-        write_json(out / "run.json", result.to_dict())
+        if ctx.is_main:
+            write_json(out / "run.json", result.to_dict())
         raise
     finally:
         bar.close()
-        metrics.close()
+        if metrics is not None:
+            metrics.close()
     plot_path = None
-    if cfg.plot:
+    if cfg.plot and ctx.is_main:
         what = cfg.precision if cfg.name == cfg.precision else f"{cfg.name}: {cfg.precision}"
         plot_path = plot_metrics(metrics_path, out / "loss.png", title=f"{what}, preset {cfg.preset}")
     result = make_result(status, message, cfg.steps, plot_path)
-    write_json(out / "run.json", result.to_dict())
+    if ctx.is_main:
+        write_json(out / "run.json", result.to_dict())
     return result
+
+
+def _param_names(model: nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The parameter names in the optimizer's order (how a single-process checkpoint numbers them)."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
 
 
 def _portable(state: dict[str, Any]) -> dict[str, Any]:
@@ -544,7 +623,8 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
     ``<out>/<name>/``. A run that stops on a non-finite loss is recorded (status
     ``stopped_nonfinite``) and the comparison goes on. ``baseline`` names the variant the
-    relative gaps are computed against (None: no gaps).
+    relative gaps are computed against (None: no gaps). Under ``torchrun`` every variant trains on
+    all ranks in one process group, and rank 0 writes the table, the JSON and the plot.
     Raises ``ValueError`` for an unknown or duplicate variant name.
     """
     base = config
@@ -561,21 +641,27 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate variant names in {names}")
     runs: dict[str, RunResult] = {}
-    for name, c in named:
-        c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
-        try:
-            runs[name] = train(c)
-        except NonFiniteError as exc:
-            print(f"[compare] {exc}", file=sys.stderr)
-            assert exc.result is not None
-            runs[name] = exc.result
-    out_dir.mkdir(parents=True, exist_ok=True)
+    ctx = distributed.setup(config.device)   # one process group for all the runs (each train uses it)
+    try:
+        for name, c in named:
+            c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
+            try:
+                runs[name] = train(c)
+            except NonFiniteError as exc:
+                if ctx.is_main:
+                    print(f"[compare] {exc}", file=sys.stderr)
+                assert exc.result is not None
+                runs[name] = exc.result
+    finally:
+        distributed.teardown(ctx)
     table = format_table(runs, baseline if baseline in runs else None)
-    table_path = out_dir / "compare.md"
-    table_path.write_text(table + "\n")
-    json_path = out_dir / "compare.json"
-    write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
-    plot_path = plot_compare(runs, out_dir / "compare.png",
-                             title=f"validation loss, preset {base.preset}")
+    table_path, json_path = out_dir / "compare.md", out_dir / "compare.json"
+    plot_path = None
+    if ctx.is_main:
+        out_dir.mkdir(parents=True, exist_ok=True)
+        table_path.write_text(table + "\n")
+        write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
+        plot_path = plot_compare(runs, out_dir / "compare.png",
+                                 title=f"validation loss, preset {base.preset}")
     return CompareResult(runs, str(table_path), str(json_path), plot_path,
                          baseline if baseline in runs else None)

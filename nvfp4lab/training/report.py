@@ -37,6 +37,8 @@ class RunResult:
             counted in any step's time; ``None`` when they were off.
         wall_time_s: this session's time; ``total_wall_time_s`` adds the time of the sessions
             before a resume (``resumed_from_step`` is ``None`` for a run that started at step 0).
+        world_size: the ranks that trained it (each figure is this rank's; tokens count the global
+            batch); ``parallel``: ``"fsdp"`` / ``"ddp"``, or ``None`` in one process.
     """
 
     name: str
@@ -69,6 +71,8 @@ class RunResult:
     step_ms_median: float | None = None
     health_time_s: float | None = None
     precision_segments: list[dict[str, Any]] | None = None
+    world_size: int = 1
+    parallel: str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)

@@ -82,8 +82,8 @@ def clip_and_norm(params: list[torch.nn.Parameter], grad_clip: float) -> torch.T
     """Clip the gradients to ``grad_clip`` (if > 0) and return their total norm (a 0-d tensor)."""
     if grad_clip > 0:
         return torch.nn.utils.clip_grad_norm_(params, grad_clip)
-    norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-    return torch.linalg.vector_norm(torch.stack(norms))
+    # get_total_norm reduces FSDP2's DTensor gradient shards too (the norm of the whole gradient)
+    return torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
 
 
 #: Eager steps (on a side stream) before a step is captured, and again after the BF16 cooldown.
