@@ -61,7 +61,8 @@ def test_current_scaling_matches_te(case):
     assert torch.equal(ours.scale_inv.reshape(1), case["scale_inv"].reshape(-1)[:1]), "scale_inv"
     if case.get("data_t") is not None:
         assert torch.equal(_u8(ours.data.t()), case["data_t"].reshape(x2.shape[1], x2.shape[0])), "transpose"
-    assert torch.equal(ours.dequantize(), case["dequant_rowwise"].reshape(x2.shape))
+    if "dequant_rowwise" in case:
+        assert torch.equal(ours.dequantize(), case["dequant_rowwise"].reshape(x2.shape))
 
 
 def _block_scales(te_scale: torch.Tensor, rows: int, cols: int, dim: int) -> torch.Tensor:
@@ -90,7 +91,8 @@ def test_block_scaling_matches_te(case):
     assert torch.equal(_u8(col.data), case["data_t"].reshape(k, m)), "columnwise data (stored transposed)"
     te_col_scale = _block_scales(case["scale_inv_t"], k, m, dim)
     assert torch.equal(col.scale_inv, te_col_scale), "columnwise scale_inv"
-    assert torch.equal(row.dequantize(), case["dequant_rowwise"].reshape(m, k))
+    if "dequant_rowwise" in case:
+        assert torch.equal(row.dequantize(), case["dequant_rowwise"].reshape(m, k))
 
 
 @pytest.mark.parametrize("case", [c for c in CASES if c["kind"] == "mxfp8"], ids=_ids)
@@ -107,4 +109,5 @@ def test_mxfp8_matches_te(case):
     assert torch.equal(row.scale_e8m0, case["scale_inv"][:m, : k // 32]), "rowwise E8M0 scales"
     assert torch.equal(_u8(col.data).t(), case["data_t"].reshape(m, k)), "columnwise data"
     assert torch.equal(col.scale_e8m0.t(), case["scale_inv_t"][: m // 32, :k]), "columnwise E8M0 scales"
-    assert torch.equal(row.dequantize(), case["dequant_rowwise"].reshape(m, k))
+    if "dequant_rowwise" in case:
+        assert torch.equal(row.dequantize(), case["dequant_rowwise"].reshape(m, k))
