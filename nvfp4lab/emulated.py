@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import contextlib
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -151,27 +151,26 @@ def scaled_matmul(a: Any, b: Any, out_dtype: torch.dtype = torch.float32) -> tor
     return out.to(torch.float32).to(out_dtype)
 
 
-class LinearScheme(Protocol):
-    """How one recipe quantizes the operands of a linear layer's three GEMMs."""
+class LinearScheme:
+    """How one recipe quantizes the operands of a linear layer's three GEMMs (a base class: the
+    GEMM defaults to :func:`scaled_matmul` and the statistics hooks to nothing)."""
 
     def quantize(self, x: torch.Tensor, role: str, *, rowwise: bool = True,
                  columnwise: bool = True) -> tuple[Any, Any]:
         """``(rowwise, columnwise)`` of a 2-D ``x`` for ``role`` in ``"input"``, ``"weight"``,
         ``"grad"``: the rowwise operand is ``x`` quantized along its last axis, the columnwise one
         is ``xᵀ`` quantized along *its* last axis; an unrequested usage is ``None``."""
-        ...
+        raise NotImplementedError
 
     def matmul(self, a: Any, b: Any) -> torch.Tensor:
-        """``a @ bᵀ`` in float32."""
-        ...
+        """``a @ bᵀ`` in float32 (:func:`scaled_matmul`)."""
+        return scaled_matmul(a, b)
 
     def after_forward(self) -> None:
         """Called once after each forward GEMM that recorded statistics (delayed scaling)."""
-        ...
 
     def after_backward(self) -> None:
         """Called once after each backward pass (delayed scaling)."""
-        ...
 
 
 @contextlib.contextmanager

@@ -146,6 +146,15 @@ class FP8Tensor:
         return FP8Tensor(self.data.t(), self.scale_inv, self.amax)
 
 
+def _check_fp8_args(x: torch.Tensor, fp8_dtype: torch.dtype, name: str) -> float:
+    """Raise on a non-floating ``x`` or an FP8 dtype other than E4M3/E5M2; the format's largest value."""
+    if not torch.is_floating_point(x):
+        raise TypeError(f"{name} expects a floating-point tensor, got {x.dtype}")
+    if fp8_dtype not in _FP8_MAX:
+        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
+    return _FP8_MAX[fp8_dtype]
+
+
 def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, *,
                  use_power_2_scales: bool = False, amax_epsilon: float = 0.0,
                  amax: torch.Tensor | None = None) -> FP8Tensor:
@@ -154,11 +163,7 @@ def quantize_fp8(x: torch.Tensor, fp8_dtype: torch.dtype = torch.float8_e4m3fn, 
     Raises ``TypeError`` for a non-floating ``x`` and ``ValueError`` for an unsupported
     ``fp8_dtype`` (only ``torch.float8_e4m3fn`` and ``torch.float8_e5m2``).
     """
-    if not torch.is_floating_point(x):
-        raise TypeError(f"quantize_fp8 expects a floating-point tensor, got {x.dtype}")
-    if fp8_dtype not in _FP8_MAX:
-        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
-    fp8_max = _FP8_MAX[fp8_dtype]
+    fp8_max = _check_fp8_args(x, fp8_dtype, "quantize_fp8")
     xf = x.to(torch.float32)
     if amax is None:
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32, device=x.device)
@@ -179,11 +184,7 @@ def quantize_fp8_with_scale(x: torch.Tensor, scale: torch.Tensor, fp8_dtype: tor
         TypeError: ``x`` is not floating point.
         ValueError: ``fp8_dtype`` is not ``torch.float8_e4m3fn`` or ``torch.float8_e5m2``.
     """
-    if not torch.is_floating_point(x):
-        raise TypeError(f"quantize_fp8_with_scale expects a floating-point tensor, got {x.dtype}")
-    if fp8_dtype not in _FP8_MAX:
-        raise ValueError(f"fp8_dtype must be torch.float8_e4m3fn or torch.float8_e5m2, got {fp8_dtype}")
-    fp8_max = _FP8_MAX[fp8_dtype]
+    fp8_max = _check_fp8_args(x, fp8_dtype, "quantize_fp8_with_scale")
     xf = x.to(torch.float32)
     if amax is None:
         amax = xf.abs().amax() if xf.numel() else torch.zeros((), dtype=torch.float32, device=x.device)

@@ -51,7 +51,7 @@ from typing import Any, Mapping
 import torch
 import torch.nn as nn
 
-from .emulated import BlockScaledTensor, EmulatedLinear, block_amax, expand_blocks, scaled_matmul
+from .emulated import BlockScaledTensor, EmulatedLinear, LinearScheme, block_amax, expand_blocks
 from .formats import E4M3_MAX, E5M2_MAX, FLT_MAX, FP8_BLOCK_LEN
 from .fp8 import FP8Tensor, compute_scale, fp8_matmul, quantize_fp8_with_scale
 from .recipe import recipe_from_dict
@@ -218,7 +218,7 @@ def quantize_fp8_block(x: torch.Tensor, block: tuple[int, int] = (1, FP8_BLOCK_L
     return BlockScaledTensor(data=data, scale_inv=torch.reciprocal(scale), block=tuple(block))
 
 
-class FP8BlockScheme:
+class FP8BlockScheme(LinearScheme):
     """The :class:`~nvfp4lab.emulated.LinearScheme` of :class:`FP8BlockRecipe`."""
 
     def __init__(self, recipe: FP8BlockRecipe) -> None:
@@ -235,14 +235,6 @@ class FP8BlockScheme:
         col = quantize_fp8_block(x.t(), (1, FP8_BLOCK_LEN), **opts) if columnwise else None
         return row, col
 
-    def matmul(self, a, b) -> torch.Tensor:
-        return scaled_matmul(a, b)
-
-    def after_forward(self) -> None:
-        pass
-
-    def after_backward(self) -> None:
-        pass
 
 
 class FP8BlockLinear(EmulatedLinear):
@@ -306,7 +298,7 @@ class DelayedScalingRecipe:
         return recipe_from_dict(cls, data)
 
 
-class DelayedScalingScheme:
+class DelayedScalingScheme(LinearScheme):
     """The :class:`~nvfp4lab.emulated.LinearScheme` of a :class:`DelayedScalingLinear`.
 
     Casts with the layer's current ``scale`` buffer and, when ``record``, writes amaxes into slot 0

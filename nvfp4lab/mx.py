@@ -48,7 +48,7 @@ from typing import Any, Mapping
 
 import torch
 
-from .emulated import BlockScaledTensor, EmulatedLinear, block_amax, expand_blocks, scaled_matmul
+from .emulated import BlockScaledTensor, EmulatedLinear, LinearScheme, block_amax, expand_blocks
 from .formats import (E2M1_EMAX, E2M1_MAX, E4M3_MAX, E5M2_MAX, E8M0_NAN, MX_BLOCK_SIZE, RCP_E4M3_MAX,
                       RCP_E5M2_MAX, e8m0_from_exponent, e8m0_inverse, e8m0_round_up, e8m0_to_float,
                       rne_codes)
@@ -238,7 +238,7 @@ class MXFP4Recipe:
         return recipe_from_dict(cls, data)
 
 
-class MXScheme:
+class MXScheme(LinearScheme):
     """The :class:`~nvfp4lab.emulated.LinearScheme` of :class:`MXFP8Recipe` / :class:`MXFP4Recipe`."""
 
     def __init__(self, recipe: MXFP8Recipe | MXFP4Recipe) -> None:
@@ -259,14 +259,6 @@ class MXScheme:
         col = self._quantize(x.t(), role, False) if columnwise else None
         return row, col
 
-    def matmul(self, a, b) -> torch.Tensor:
-        return scaled_matmul(a, b)
-
-    def after_forward(self) -> None:
-        pass
-
-    def after_backward(self) -> None:
-        pass
 
 
 class _MXLinear(EmulatedLinear):
