@@ -25,20 +25,18 @@ be compared on a CPU. Casts use ``torch.float8_e4m3fn`` / ``torch.float8_e5m2`` 
 
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping
 
 import torch
-import torch.nn as nn
-import torch.nn.functional as F
 
+from .emulated import EmulatedLinear, LinearScheme
 from .formats import E4M3_MAX, E5M2_MAX, FLT_MAX
 
 __all__ = [
     "FP8_E4M3_MAX", "FP8_E5M2_MAX", "FLT_MAX", "FP8Recipe", "FP8Tensor", "FP8Linear",
-    "compute_scale", "quantize_fp8", "quantize_fp8_with_scale", "fp8_matmul",
+    "compute_scale", "quantize_fp8", "quantize_fp8_with_scale", "fp8_matmul", "CurrentScalingScheme",
 ]
 
 FP8_E4M3_MAX = E4M3_MAX   # the FP8 formats' largest finite magnitudes (nvfp4lab.formats)
@@ -205,88 +203,42 @@ def fp8_matmul(a: FP8Tensor, b: FP8Tensor, out_dtype: torch.dtype = torch.float3
     return (acc * (a.scale_inv * b.scale_inv)).to(out_dtype)
 
 
-@contextlib.contextmanager
-def _autocast_off(device_type: str):
-    with torch.autocast(device_type=device_type, enabled=False):
-        yield
+class CurrentScalingScheme(LinearScheme):
+    """The operands of TE's ``Float8CurrentScaling``: per-tensor scales, so each columnwise copy is
+    the transpose of the rowwise one (quantized once); E4M3 forward, ``backward_dtype`` for grad_output.
+    The GEMM is :func:`fp8_matmul` (FP32 product of the FP8 values times the two ``scale_inv``)."""
+
+    def __init__(self, recipe: FP8Recipe) -> None:
+        self.recipe = recipe
+
+    def quantize(self, x: torch.Tensor, role: str, *, rowwise: bool = True, columnwise: bool = True):
+        dtype = self.recipe.backward_dtype if role == "grad" else self.recipe.forward_dtype
+        q = quantize_fp8(x, dtype, use_power_2_scales=self.recipe.use_power_2_scales,
+                         amax_epsilon=self.recipe.amax_epsilon)
+        return q, (q.t() if columnwise else None)
+
+    def matmul(self, a: FP8Tensor, b: FP8Tensor) -> torch.Tensor:
+        return fp8_matmul(a, b)
 
 
-class _FP8LinearFunction(torch.autograd.Function):
-    """Y = X W^T + b with FP8 Fprop (E4M3 x E4M3), Dgrad (grad x E4M3) and Wgrad (grad x E4M3)."""
-
-    @staticmethod
-    def forward(ctx, x, weight, bias, recipe: FP8Recipe):  # type: ignore[override]
-        in_features = weight.shape[1]
-        x2d = x.reshape(-1, in_features)
-        opts = dict(use_power_2_scales=recipe.use_power_2_scales, amax_epsilon=recipe.amax_epsilon)
-        with _autocast_off(x.device.type):
-            qx = quantize_fp8(x2d, recipe.forward_dtype, **opts)
-            qw = quantize_fp8(weight, recipe.forward_dtype, **opts)
-            y = fp8_matmul(qx, qw)
-            if bias is not None:
-                y = y + bias.to(torch.float32)
-        ctx.recipe = recipe
-        ctx.qx, ctx.qw = qx, qw
-        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
-        ctx.bias_dtype = bias.dtype if bias is not None else None
-        return y.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
-
-    @staticmethod
-    def backward(ctx, grad_out):  # type: ignore[override]
-        recipe: FP8Recipe = ctx.recipe
-        out_features = ctx.qw.shape[0]
-        dy = grad_out.reshape(-1, out_features)
-        opts = dict(use_power_2_scales=recipe.use_power_2_scales, amax_epsilon=recipe.amax_epsilon)
-        dx = dw = db = None
-        with _autocast_off(grad_out.device.type):
-            qdy = quantize_fp8(dy, recipe.backward_dtype, **opts)
-            if ctx.needs_input_grad[0]:
-                dx = fp8_matmul(qdy, ctx.qw.t()).to(ctx.x_dtype).reshape(ctx.x_shape)   # Dgrad
-            if ctx.needs_input_grad[1]:
-                dw = fp8_matmul(qdy.t(), ctx.qx.t()).to(ctx.w_dtype)                     # Wgrad
-            if ctx.has_bias and ctx.needs_input_grad[2]:
-                db = dy.to(torch.float32).sum(0).to(ctx.bias_dtype)
-        ctx.qx = ctx.qw = None
-        return dx, dw, db, None
-
-
-class FP8Linear(nn.Linear):
-    """Drop-in ``nn.Linear`` whose three GEMMs run in emulated FP8 current scaling.
+class FP8Linear(EmulatedLinear):
+    """Drop-in ``nn.Linear`` whose three GEMMs run in emulated FP8 current scaling
+    (:class:`FP8Recipe`; the layer of :class:`nvfp4lab.emulated.EmulatedLinear` with
+    :class:`CurrentScalingScheme`).
 
     Parameters stay in their dtype (fp32 master weights). Under ``torch.autocast`` the input is
     cast to the autocast dtype first (as TE casts activations), and the output has the input's
     dtype. ``quantize_enabled = False`` turns the layer into a plain ``nn.Linear``.
-    Input whose last dimension is not ``in_features`` raises ``ValueError``.
+
+    Raises:
+        ValueError: (forward) the input's last dimension is not ``in_features``.
     """
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
-                 dtype=None, *, recipe: FP8Recipe | None = None) -> None:
-        super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
-        self.recipe = recipe if recipe is not None else FP8Recipe()
-        self.quantize_enabled = True
+    precision = "fp8-current"
+    recipe_class = FP8Recipe
 
-    @classmethod
-    def from_linear(cls, linear: nn.Linear, *, recipe: FP8Recipe | None = None) -> "FP8Linear":
-        """Wrap an existing ``nn.Linear``, sharing (not copying) its parameters."""
-        new = cls.__new__(cls)
-        nn.Module.__init__(new)
-        new.in_features, new.out_features = linear.in_features, linear.out_features
-        new.weight = linear.weight
-        new.bias = linear.bias
-        new.recipe = recipe if recipe is not None else FP8Recipe()
-        new.quantize_enabled = True
-        return new
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.shape[-1] != self.in_features:
-            raise ValueError(f"FP8Linear expects input [..., {self.in_features}], got {tuple(x.shape)}")
-        if not self.quantize_enabled:
-            return F.linear(x, self.weight, self.bias)
-        if torch.is_autocast_enabled(x.device.type):
-            x = x.to(torch.get_autocast_dtype(x.device.type))
-        return _FP8LinearFunction.apply(x, self.weight, self.bias, self.recipe)
+    def scheme(self) -> CurrentScalingScheme:
+        return CurrentScalingScheme(self.recipe)
 
     def extra_repr(self) -> str:
-        return (f"{super().extra_repr()}, fp8={self.recipe.fp8_format}"
-                f"{'' if self.quantize_enabled else ' (disabled)'}")
+        return f"{super().extra_repr()}, fp8_format={self.recipe.fp8_format}"
