@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["per_call_ms", "median_ms", "bench_ms", "graph_ms"]
+__all__ = ["per_call_ms", "median_ms", "bench_ms", "graph_ms", "capture"]
 
 
 def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, warmup: int = 1) -> list[float]:
@@ -80,13 +80,13 @@ def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, repeat: int =
     return median_ms(fn, device, iters=repeat, warmup=1)
 
 
-def graph_ms(fn: Callable[[], Any], *, rep_ms: int = 200, generators: Sequence[torch.Generator] = (),
-             warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed (:func:`bench_ms`).
+def capture(fn: Callable[[], Any], *, warmup: int = 3,
+            generators: Sequence[torch.Generator] = ()) -> tuple["torch.cuda.CUDAGraph", Any]:
+    """``fn`` warmed up ``warmup`` times on a side stream, then captured once in a CUDA graph.
 
-    ``fn`` first runs ``warmup`` times on a side stream (Triton compiles, cuBLAS picks algorithms),
-    then once under ``torch.cuda.graph``. ``generators``: custom CUDA generators ``fn`` draws from,
-    registered with the graph so that every replay draws fresh numbers.
+    Returns:
+        ``(graph, outputs)``: ``graph.replay()`` reruns the captured work, writing into the
+        ``outputs`` the captured call returned (static tensors).
 
     Raises:
         What the capture raises (e.g. a host synchronization inside ``fn``).
@@ -102,7 +102,22 @@ def graph_ms(fn: Callable[[], Any], *, rep_ms: int = 200, generators: Sequence[t
     for gen in generators:
         graph.register_generator_state(gen)
     with torch.cuda.graph(graph):
-        fn()
+        out = fn()
+    return graph, out
+
+
+def graph_ms(fn: Callable[[], Any], *, rep_ms: int = 200, generators: Sequence[torch.Generator] = (),
+             warmup: int = 3) -> float:
+    """Median milliseconds of ``fn`` captured once in a CUDA graph and replayed (:func:`bench_ms`).
+
+    ``fn`` first runs ``warmup`` times on a side stream (Triton compiles, cuBLAS picks algorithms),
+    then once under ``torch.cuda.graph``. ``generators``: custom CUDA generators ``fn`` draws from,
+    registered with the graph so that every replay draws fresh numbers.
+
+    Raises:
+        What the capture raises (e.g. a host synchronization inside ``fn``).
+    """
+    graph, _ = capture(fn, warmup=warmup, generators=generators)
     ms = bench_ms(graph.replay, "cuda", rep_ms=rep_ms)
     del graph
     return ms

@@ -96,7 +96,8 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
     """
     path = Path(path)
     tmp = _write_temporary(path, dict(state))
-    try:
+
+    def keep_previous() -> None:
         if path.exists():
             prev = _previous_path(path)
             link = prev.with_name(prev.name + ".tmp")
@@ -104,8 +105,17 @@ def save_checkpoint(path: str | os.PathLike, state: Mapping[str, Any]) -> None:
                 link.unlink()
             os.link(path, link)
             os.replace(link, prev)
+
+    _replace_or_discard(tmp, path, before=keep_previous)
+    _fsync_dir(path.parent)
+
+
+def _replace_or_discard(tmp: Path, path: Path, before=None) -> None:
+    """``os.replace(tmp, path)`` (after ``before()``, if given); on any failure remove ``tmp`` and re-raise."""
+    try:
+        if before is not None:
+            before()
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
     except BaseException:
         try:
             os.unlink(tmp)
@@ -400,13 +410,5 @@ def export_weights(source: str | os.PathLike, out: str | os.PathLike) -> Path:
     else:
         weights = {k: v.detach().clone() for k, v in saved["model"].items()}
     out = Path(out)
-    tmp = _write_temporary(out, weights)
-    try:
-        os.replace(tmp, out)
-    except BaseException:
-        try:
-            os.unlink(tmp)
-        except OSError:
-            pass
-        raise
+    _replace_or_discard(_write_temporary(out, weights), out)
     return out

@@ -17,6 +17,7 @@ from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.quantize import nvfp4_matmul, quantize, quantize_rowwise_columnwise  # noqa: E402
 from nvfp4lab.recipe import NVFP4Recipe  # noqa: E402
 from nvfp4lab.rounding import SRStream  # noqa: E402
+from nvfp4lab.timing import capture  # noqa: E402
 
 DEV = "cuda"
 
@@ -28,16 +29,7 @@ def _x(shape, seed, dtype=torch.bfloat16):
 
 def _capture(fn, warmup=2):
     """Warm ``fn`` up on a side stream, capture it, return (graph, its static outputs)."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(warmup):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        out = fn()
-    return g, out
+    return capture(fn, warmup=warmup)
 
 
 def _parts(q):
