@@ -291,8 +291,10 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     round_bf16 = x2.dtype == torch.bfloat16
     need_row_amax = (row or block2d) and amax_row is None
     need_col_amax = col and not block2d and amax_col is None
-    # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|
-    buf = torch.zeros(2, dtype=torch.float32, device=dev)
+    # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|. Zeroed only
+    # when the amax kernel accumulates into them (else a dummy pointer: no fill kernel launched)
+    alloc = torch.zeros if (need_row_amax or need_col_amax) else torch.empty
+    buf = alloc(2, dtype=torch.float32, device=dev)
     span = (M - 1) * abs(x2.stride(0)) + (K - 1) * abs(x2.stride(1)) + 1
     i64 = max(span, M * K) >= 2**31 - 1
     if need_row_amax or need_col_amax:
