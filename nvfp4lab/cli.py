@@ -229,8 +229,15 @@ def _print_run(r) -> None:
     took = f"{r.wall_time_s:.1f} s"
     if r.resumed_from_step is not None:
         took += f" (this session, resumed at step {r.resumed_from_step}; {r.total_wall_time_s:.1f} s in total)"
+    session_steps = r.steps_completed - (r.resumed_from_step or 0)
+    n_warm = session_steps - r.timed_steps if r.timed_steps is not None else 0
+    warm = (f" (the first {n_warm} step{'s' if n_warm > 1 else ''} of {r.warmup_time_s:.1f} s excluded: warm-up, "
+            "compilation, capture)" if n_warm > 0 and r.warmup_time_s is not None else "")
     print(f"{r.name}: {r.status}, {r.steps_completed} steps, final val loss {loss} nats/byte, "
-          f"{r.tokens_per_s:,.0f} tokens/s, {took}")
+          f"{r.tokens_per_s:,.0f} tokens/s steady state{warm}, {took}")
+    if r.precision_segments:
+        print("  precision:  " + ", ".join(f"{s['precision']} for steps {s['from_step']}-{s['to_step']}"
+                                          for s in r.precision_segments))
     print(f"  layers: {r.layers}")
     print(f"  results:    {r.out_dir}/run.json")
     print(f"  metrics:    {r.metrics_path}")
