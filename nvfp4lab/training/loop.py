@@ -80,7 +80,9 @@ def _load_model_state(model: nn.Module, state: dict) -> None:
                            f"unexpected keys {_other(unexpected)}")
 
 
+@torch.no_grad()
 def _evaluate(model: nn.Module, batches, precision: str, device: torch.device) -> float:
+    """Mean validation loss over ``batches`` (this rank's rows), in eval mode and without autograd."""
     was_training = model.training
     model.eval()
     total = 0.0
