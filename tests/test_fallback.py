@@ -124,3 +124,27 @@ train(TrainConfig(preset="ci", precision="nvfp4", steps=400, on_nonfinite="fallb
     assert res.precision == "fp8" and res.status == "completed"
     assert res.precision_segments[0] == {"precision": "nvfp4", "from_step": 0, "to_step": 2,
                                          "ended_by": "non-finite loss at step 3"}
+
+
+def test_two_fallbacks_through_an_alias_in_the_chain(tmp_path, monkeypatch):
+    """The default chain names "fp8", an alias of "fp8-current": a second failure, in the FP8
+    session, must still find its place in the chain and fall back to BF16 (it raised ValueError:
+    'fp8-current' is not in list)."""
+    import nvfp4lab.model as model_mod
+
+    real = model_mod.GPT.forward
+    n = {"i": 0}
+
+    def forward(self, idx, targets=None):
+        logits, loss = real(self, idx, targets)
+        if self.training and torch.is_grad_enabled():
+            n["i"] += 1
+            if n["i"] in (6, 12):   # once in the NVFP4 session, once in the FP8 one
+                loss = loss * float("nan")
+        return logits, loss
+
+    monkeypatch.setattr(model_mod.GPT, "forward", forward)
+    res = train(TrainConfig(preset="ci", precision="nvfp4", steps=12, on_nonfinite="fallback", checkpoint_interval=4,
+                            out=str(tmp_path), progress=False, plot=False, eval_interval=4))
+    assert res.status == "completed" and res.precision == "bf16"
+    assert [s["precision"] for s in res.precision_segments] == ["nvfp4", "fp8", "bf16"]

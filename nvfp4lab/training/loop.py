@@ -177,7 +177,8 @@ def train(config: TrainConfig) -> RunResult:
             return _train_session(cfg, segments)
         except FallbackRequested as fb:
             chain = list(cfg.fallback_chain)
-            here = chain.index(canonical_name(cfg.precision))
+            # Compare canonical names: the chain may hold aliases ("fp8" is "fp8-current").
+            here = [canonical_name(p) for p in chain].index(canonical_name(cfg.precision))
             if here + 1 >= len(chain) or fb.checkpoint is None:
                 raise NonFiniteError(f"{fb.reason} at step {fb.step} in {cfg.precision}, the last precision of "
                                      f"the fallback chain {chain}; training stopped", step=fb.step,
