@@ -513,6 +513,7 @@ def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> N
     opts = state.recipe.quantize_options(role)
     return NVFP4Tensor(data=data, scale=scale, amax=amax, shape=torch.Size(shape), block=opts["block"], dtype=dtype,
                        rht=opts["rht"], rounding=opts["rounding"],
+                       four_over_six=opts.get("four_over_six", False), e4m3_max=opts.get("e4m3_max", 448),
                        rht_signs=torch.as_tensor(opts.get("rht_signs", WGRAD_SIGNS), dtype=torch.float32)
                        if opts["rht"] else None)
 
