@@ -609,6 +609,10 @@ class NVFP4Linear(nn.Linear):
         recipe = NVFP4Recipe() if recipe is None else recipe
         if not isinstance(recipe, NVFP4Recipe):
             raise TypeError(f"recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
+        if recipe.backward_override is not None:
+            raise NotImplementedError(
+                f"NVFP4Recipe.backward_override={recipe.backward_override!r} is not emulated by NVFP4Linear "
+                "(its backward GEMMs are always quantized); use backward_override=None, or TE's backend")
         self._state = _LayerState(recipe=recipe,
                                   quantizer=quantizer if quantizer is not None else NVFP4GemmQuantizer(),
                                   name=name, generator=generator, seed=seed)

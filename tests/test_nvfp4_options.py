@@ -165,3 +165,22 @@ def test_linear_runs_with_the_options():
     y = layer(x)
     y.square().mean().backward()
     assert torch.isfinite(y).all() and torch.isfinite(x.grad).all() and torch.isfinite(layer.weight.grad).all()
+
+
+def test_cli_train_flags_reach_the_recipe():
+    from nvfp4lab import cli
+    args = cli.build_parser().parse_args(
+        ["train", "--nvfp4-4over6", "all", "--nvfp4-4over6-e4m3-use-256", "weights", "--nvfp4-4over6-err-mode", "MSE",
+         "--row-scaled-activation", "--disable-rht"])
+    r = cli.config_from_args(args).recipe
+    assert (r.nvfp4_4over6, r.nvfp4_4over6_e4m3_use_256, r.nvfp4_4over6_err_mode, r.row_scaled_activation) == (
+        "all", "weights", "MSE", True)
+    bad = cli.build_parser().parse_args(["train", "--nvfp4-4over6", "activations"])
+    with pytest.raises(ValueError, match="nvfp4_4over6"):
+        cli.config_from_args(bad)
+
+
+def test_backward_override_is_refused_by_the_emulated_layer():
+    from nvfp4lab.linear import NVFP4Linear
+    with pytest.raises(NotImplementedError, match="backward_override"):
+        NVFP4Linear(32, 16, recipe=NVFP4Recipe(backward_override="high_precision"))
