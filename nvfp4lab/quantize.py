@@ -23,6 +23,12 @@ The operation order below is TE's, one IEEE float32 operation per line
     enc      = min(RN(1 / RN(float(sf) * S_dec)), FLT_MAX)     # block encode scale
     code     = e2m1_rne(clamp(RN(x * enc), -6, 6))
 
+Options beyond the base recipe (TE 2.20 ``NVFP4BlockScaling`` / ``NVFP4QuantizerRef``), reference
+path only (the Triton kernels do not cover them): ``four_over_six`` (per block, the better of the
+map-to-4 and map-to-6 scales; its own FP32 order, see :func:`quantize_4over6_blocks`), ``e4m3_max=256``
+(the global scale's E4M3 bound with 4over6) and ``row_scaled`` (one amax per row, ``S_enc`` per row,
+the default path otherwise).
+
 Differences from torchao 0.18 ``nvfp4_quantize`` (pytorch/ao
 ``torchao/prototype/mx_formats/nvfp4_tensor.py``), which is *not* bit-exact with TE:
 torchao floors the block scale at E4M3's smallest normal 2^-6 where TE keeps
