@@ -125,6 +125,15 @@ def _add_common_options(p: argparse.ArgumentParser) -> None:
     r.add_argument("--bf16-last-layers", type=_nonneg_int, default=1,
                    help="trailing blocks kept in BF16 (default 1)")
     r.add_argument("--quantize-lm-head", action="store_true", help="quantize the LM head too")
+    r.add_argument("--nvfp4-4over6", choices=("none", "weights", "activations", "all"), default="none",
+                   help="4over6: per block keep the better of the map-to-4 and map-to-6 scales for these "
+                        "operands (never gradients; activations/all need --disable-rht; default none)")
+    r.add_argument("--nvfp4-4over6-e4m3-use-256", choices=("none", "weights", "activations", "all"), default="all",
+                   help="where 4over6's global scale uses E4M3 bound 256 instead of 448 (default all)")
+    r.add_argument("--nvfp4-4over6-err-mode", choices=("MAE", "MSE"), default="MAE",
+                   help="the error 4over6 compares (default MAE)")
+    r.add_argument("--row-scaled-activation", action="store_true",
+                   help="one FP32 amax per token for the forward activation (needs --disable-rht)")
     r.add_argument("--cooldown-frac", type=_fraction, default=0.0,
                    help="switch NVFP4/FP8 layers to BF16 for this final fraction of steps (default 0)")
     r.add_argument("--health-interval", type=_nonneg_int, default=0,
@@ -200,6 +209,10 @@ def config_from_args(args: argparse.Namespace, precision: str | None = None):
         bf16_first_layers=args.bf16_first_layers,
         bf16_last_layers=args.bf16_last_layers,
         quantize_lm_head=args.quantize_lm_head,
+        nvfp4_4over6=getattr(args, "nvfp4_4over6", "none"),
+        nvfp4_4over6_e4m3_use_256=getattr(args, "nvfp4_4over6_e4m3_use_256", "all"),
+        nvfp4_4over6_err_mode=getattr(args, "nvfp4_4over6_err_mode", "MAE"),
+        row_scaled_activation=getattr(args, "row_scaled_activation", False),
     )
     return TrainConfig(
         precision=precision or getattr(args, "precision", "nvfp4"),

@@ -93,7 +93,7 @@ def operand_stats(source: torch.Tensor, q: NVFP4Tensor) -> dict[str, float]:
         "sqnr_db": sqnr,
         "scale_zero%": 100.0 * int((live & (scale == 0)).sum()) / nblocks,
         "scale_saturated%": 100.0 * int((scale == _E4M3_MAX_BYTE).sum()) / nblocks,
-        "amax": float(q.amax),
+        "amax": float(q.amax.max()) if q.amax.numel() else 0.0,   # row-scaled: the largest row amax
     }
 
 

@@ -513,6 +513,7 @@ def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> N
     opts = state.recipe.quantize_options(role)
     return NVFP4Tensor(data=data, scale=scale, amax=amax, shape=torch.Size(shape), block=opts["block"], dtype=dtype,
                        rht=opts["rht"], rounding=opts["rounding"],
+                       four_over_six=opts.get("four_over_six", False), e4m3_max=opts.get("e4m3_max", 448),
                        rht_signs=torch.as_tensor(opts.get("rht_signs", WGRAD_SIGNS), dtype=torch.float32)
                        if opts["rht"] else None)
 
@@ -608,6 +609,10 @@ class NVFP4Linear(nn.Linear):
         recipe = NVFP4Recipe() if recipe is None else recipe
         if not isinstance(recipe, NVFP4Recipe):
             raise TypeError(f"recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
+        if recipe.backward_override is not None:
+            raise NotImplementedError(
+                f"NVFP4Recipe.backward_override={recipe.backward_override!r} is not emulated by NVFP4Linear "
+                "(its backward GEMMs are always quantized); use backward_override=None, or TE's backend")
         self._state = _LayerState(recipe=recipe,
                                   quantizer=quantizer if quantizer is not None else NVFP4GemmQuantizer(),
                                   name=name, generator=generator, seed=seed)

@@ -23,6 +23,12 @@ The operation order below is TE's, one IEEE float32 operation per line
     enc      = min(RN(1 / RN(float(sf) * S_dec)), FLT_MAX)     # block encode scale
     code     = e2m1_rne(clamp(RN(x * enc), -6, 6))
 
+Options beyond the base recipe (TE 2.20 ``NVFP4BlockScaling`` / ``NVFP4QuantizerRef``), reference
+path only (the Triton kernels do not cover them): ``four_over_six`` (per block, the better of the
+map-to-4 and map-to-6 scales; its own FP32 order, see :func:`quantize_4over6_blocks`), ``e4m3_max=256``
+(the global scale's E4M3 bound with 4over6) and ``row_scaled`` (one amax per row, ``S_enc`` per row,
+the default path otherwise).
+
 Differences from torchao 0.18 ``nvfp4_quantize`` (pytorch/ao
 ``torchao/prototype/mx_formats/nvfp4_tensor.py``), which is *not* bit-exact with TE:
 torchao floors the block scale at E4M3's smallest normal 2^-6 where TE keeps
@@ -71,6 +77,7 @@ __all__ = [
     "global_decode_scale",
     "block_decode_scales",
     "block_encode_scales",
+    "quantize_4over6_blocks",
 ]
 
 #: Elements per NVFP4 block along the quantized dimension (and tile side for 2D).
@@ -84,8 +91,17 @@ def _f32(value: float, device) -> torch.Tensor:
     return torch.tensor(value, dtype=torch.float32, device=device)
 
 
-def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
+def _numerator(e4m3_max: int) -> float:
+    """``E4M3 bound · 6``: 2688 (448) or 1536 (256, 4over6's option), both exact in FP32."""
+    if e4m3_max not in (448, 256):
+        raise ValueError(f"e4m3_max must be 448 or 256 (TE's nvfp4_e4m3_max), got {e4m3_max!r}")
+    return GLOBAL_SCALE_NUMERATOR if e4m3_max == 448 else float(e4m3_max) * E2M1_MAX
+
+
+def global_encode_scale(amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
     """FP32 per-tensor encode scale ``S_enc = min(RN(2688 / amax), FLT_MAX)``.
+
+    ``e4m3_max=256`` (4over6's ``nvfp4_e4m3_max``) uses ``1536 = 256 · 6`` for 2688.
 
     Args:
         amax: float32 tensor (any shape; usually 0-d), the per-tensor amax, ``>= 0``.
@@ -99,13 +115,13 @@ def global_encode_scale(amax: torch.Tensor) -> torch.Tensor:
     Source: TE ``core_nvfp4.cuh``.
     """
     amax = amax.float()
-    s_enc = torch.minimum(_f32(GLOBAL_SCALE_NUMERATOR, amax.device) / amax, _f32(FLT_MAX, amax.device))
+    s_enc = torch.minimum(_f32(_numerator(e4m3_max), amax.device) / amax, _f32(FLT_MAX, amax.device))
     return torch.where((amax == 0) | (s_enc == 0), torch.ones_like(s_enc), s_enc)
 
 
-def global_decode_scale(amax: torch.Tensor) -> torch.Tensor:
+def global_decode_scale(amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
     """FP32 per-tensor decode scale ``S_dec = RN(1 / S_enc)`` (see :func:`global_encode_scale`)."""
-    return torch.reciprocal(global_encode_scale(amax))
+    return torch.reciprocal(global_encode_scale(amax, e4m3_max))
 
 
 def block_decode_scales(block_amax: torch.Tensor, amax: torch.Tensor) -> torch.Tensor:
@@ -166,6 +182,12 @@ class NVFP4Tensor:
             scale`` (:meth:`block_values`, exact in BF16), written by the Triton kernels for
             the emulated GEMM when asked (:func:`quantize_rowwise_columnwise`);
             ``None`` otherwise. Not part of the format: it only saves a decode pass.
+        four_over_six: whether each block chose between the map-to-4 and map-to-6 scale
+            (TE ``nvfp4_use_4over6``). The stored format is the same; it is informational.
+        e4m3_max: the E4M3 bound of the global scale, 448 or 256 (TE ``nvfp4_e4m3_max``; 256
+            only with 4over6). Dequantization and the GEMM use ``6 · e4m3_max`` for 2688.
+        row_scaled: :attr:`amax` is a float32 ``[M]`` vector, one amax per row (TE
+            ``row_scaled_nvfp4``, ``global_amax_row``), instead of one 0-d value.
     """
 
     data: torch.Tensor
@@ -178,6 +200,9 @@ class NVFP4Tensor:
     rht_signs: torch.Tensor | None = None
     rounding: str = "nearest"
     values_bf16: torch.Tensor | None = dataclasses.field(default=None, repr=False)
+    four_over_six: bool = False
+    e4m3_max: int = 448
+    row_scaled: bool = False
 
     # ---- geometry -------------------------------------------------------
     @property
@@ -198,12 +223,12 @@ class NVFP4Tensor:
     @property
     def global_encode_scale(self) -> torch.Tensor:
         """FP32 ``S_enc`` recomputed from :attr:`amax` (see :func:`global_encode_scale`)."""
-        return global_encode_scale(self.amax)
+        return global_encode_scale(self.amax, self.e4m3_max)
 
     @property
     def global_decode_scale(self) -> torch.Tensor:
         """FP32 ``S_dec = 1 / S_enc``."""
-        return global_decode_scale(self.amax)
+        return global_decode_scale(self.amax, self.e4m3_max)
 
     @property
     def rowwise_scale(self) -> torch.Tensor:
@@ -262,21 +287,27 @@ class NVFP4Tensor:
         dtype = dtype or torch.float32
         undo = self.rht and undo_rht
         mask = kernels.sign_mask(self.rht_signs) if undo else None
-        if dtype == torch.bfloat16 and kernels.covers_decode(self.data, self.rows, self.cols, mask if undo else 0):
+        plain = self.e4m3_max == 448 and not self.row_scaled  # what the Triton decode kernel covers
+        if plain and dtype == torch.bfloat16 and kernels.covers_decode(self.data, self.rows, self.cols,
+                                                                      mask if undo else 0):
             return kernels.dequantize(self.data, self.scale, self.amax, self.rows, self.cols,
                                       block2d=self.block == "2d", undo_rht_mask=mask).reshape(self.shape)
         sf = self.scale.float()
-        scaled = (sf * self.amax) * torch.reciprocal(_f32(GLOBAL_SCALE_NUMERATOR, self.device))
-        d = torch.where(torch.isfinite(self.amax), scaled, sf)  # no host read: capturable
+        # row-scaled: amax [M] -> [M, 1], one factor per row (TE row_scaled_nvfp4)
+        amax = self.amax.reshape(-1, 1) if self.row_scaled else self.amax
+        scaled = (sf * amax) * torch.reciprocal(_f32(_numerator(self.e4m3_max), self.device))
+        d = torch.where(torch.isfinite(amax), scaled, sf)  # no host read: capturable
         x = decode_e2m1(self.codes()) * self._per_element(d)
         if undo:
             x = inverse_random_hadamard_transform(x, signs=self.rht_signs)
         return x.to(dtype).reshape(self.shape)
 
     def __repr__(self) -> str:
+        amax = (f"amax=[{self.amax.numel()} rows]" if self.row_scaled else f"amax={float(self.amax):.6g}")
+        extra = f", four_over_six=True, e4m3_max={self.e4m3_max}" if self.four_over_six else ""
         return (
             f"NVFP4Tensor(shape={tuple(self.shape)}, block={self.block!r}, rht={self.rht}, "
-            f"rounding={self.rounding!r}, amax={float(self.amax):.6g}, dtype={self.dtype}, device={self.device})"
+            f"rounding={self.rounding!r}, {amax}{extra}, dtype={self.dtype}, device={self.device})"
         )
 
 
@@ -357,8 +388,34 @@ def _signs(rht_signs) -> torch.Tensor | None:
     return None if rht_signs is None else torch.as_tensor(rht_signs, dtype=torch.float32)
 
 
+def _check_nvfp4_options(block: str, rht: bool, rounding: str, four_over_six: bool, e4m3_max: int,
+                         err_mode: str, row_scaled: bool, amax) -> None:
+    """The 4over6 / row-scaled restrictions of TE 2.20 (reference ``NVFP4QuantizerRef.__init__`` and
+    ``_quantize``; spec sections 2, 4, 5): each names the keyword at fault."""
+    if not isinstance(four_over_six, bool) or not isinstance(row_scaled, bool):
+        raise ValueError(f"four_over_six and row_scaled must be bools, got {four_over_six!r}, {row_scaled!r}")
+    if e4m3_max not in (448, 256):
+        raise ValueError(f"e4m3_max must be 448 or 256 (TE's nvfp4_e4m3_max), got {e4m3_max!r}")
+    if e4m3_max != 448 and not four_over_six:
+        raise ValueError("e4m3_max=256 needs four_over_six=True (TE: 'Non-4over6 NVFP4 quantization requires "
+                         "E4M3 max 448')")
+    if err_mode not in ("MAE", "MSE"):
+        raise ValueError(f"err_mode must be 'MAE' or 'MSE' (TE's nvfp4_4over6_err_mode), got {err_mode!r}")
+    for name, on in (("four_over_six", four_over_six), ("row_scaled", row_scaled)):
+        if on and rht:
+            raise ValueError(f"{name}=True does not support rht=True (TE 2.20 rejects the RHT with it)")
+        if on and rounding != "nearest":
+            raise ValueError(f"{name}=True needs rounding='nearest' (TE 2.20 rejects stochastic rounding with it)")
+    if row_scaled and block != "1d":
+        raise ValueError("row_scaled=True needs block='1d' (TE: 'Row-scaled NVFP4 only supports NVFP4 1x16 tile shape')")
+    if row_scaled and amax is not None:
+        raise ValueError("row_scaled=True computes one amax per row and takes no amax= (TE rejects amax reduction "
+                         "with row-scaled mode)")
+
+
 def uses_kernels(x: torch.Tensor, *, block: Block = "1d", rht: bool = False, rounding: Rounding = "nearest",
-                 rht_signs: torch.Tensor | None = WGRAD_SIGNS, **_ignored) -> bool:
+                 rht_signs: torch.Tensor | None = WGRAD_SIGNS, four_over_six: bool = False,
+                 row_scaled: bool = False, **_ignored) -> bool:
     """Whether :func:`quantize` with these options runs the Triton kernels (else the reference).
 
     True on a device the kernels run on (CUDA with Triton; CPU only in Triton's interpreter)
@@ -367,7 +424,8 @@ def uses_kernels(x: torch.Tensor, *, block: Block = "1d", rht: bool = False, rou
     other keyword options of :func:`quantize`, so ``uses_kernels(x, **options)`` works.
     """
     mask = kernels.sign_mask(_signs(rht_signs)) if rht else 0
-    return kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask)
+    return kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask,
+                                   four_over_six=four_over_six, row_scaled=row_scaled)
 
 
 def quantize(
@@ -380,6 +438,10 @@ def quantize(
     amax: torch.Tensor | float | None = None,
     rht_signs: torch.Tensor | None = WGRAD_SIGNS,
     check: bool = True,
+    four_over_six: bool = False,
+    e4m3_max: int = 448,
+    err_mode: str = "MAE",
+    row_scaled: bool = False,
 ) -> NVFP4Tensor:
     """Quantize ``x`` to NVFP4 along its last dimension, bit-exact with TE 2.20's reference.
 
@@ -409,6 +471,18 @@ def quantize(
             skipped on its own while a CUDA graph is being captured and under ``torch.compile``,
             where a host read is impossible. Unchecked, a NaN input gives a NaN amax, and every
             GEMM output using the tensor is NaN.
+        four_over_six: 4over6 (TE ``nvfp4_use_4over6``; arXiv 2512.02010): each block is
+            quantized twice, with the map-to-6 scale ``e4m3(RN(RN(bamax/6)·S_enc))`` and the
+            map-to-4 scale ``e4m3(RN(that·1.5))`` (block max on FP4 value 4), and keeps the one
+            with the lower error; ties keep map-to-6. See :func:`quantize_4over6_blocks`.
+            Needs ``rounding="nearest"`` and no RHT. 1x16 and 16x16 blocks.
+        e4m3_max: the E4M3 bound in the global scale, 448 or 256 (TE ``nvfp4_e4m3_max``;
+            256 only with ``four_over_six``): ``S_enc = 6·e4m3_max / amax``. Block scales are
+            still clamped at 448, so 256 leaves room for the 1.5x map-to-4 scale.
+        err_mode: ``"MAE"`` (sum of ``|x̂ - x|``) or ``"MSE"`` (sum of squares), the 4over6
+            error (TE ``nvfp4_4over6_err_mode``; its default exact mode, not the fast-math one).
+        row_scaled: one FP32 amax per row instead of per tensor (TE ``row_scaled_nvfp4``): the
+            result's :attr:`NVFP4Tensor.amax` is ``[M]``. 1x16 only, RNE, no RHT, no ``amax=``.
 
     On CUDA the work goes to the Triton kernels of :mod:`nvfp4lab.kernels` when
     Triton is installed and they cover the options (:func:`uses_kernels`; RNE results
@@ -446,6 +520,7 @@ def quantize(
     ``custom_recipes/reference_nvfp4.py``.
     """
     _check_options(x, block, rounding, rht)
+    _check_nvfp4_options(block, rht, rounding, four_over_six, e4m3_max, err_mode, row_scaled, amax)
     signs = _signs(rht_signs)
     shape = x.shape
     K = shape[-1]
@@ -458,6 +533,7 @@ def quantize(
         return NVFP4Tensor(
             data=data, scale=scale, amax=amax_t, shape=shape, block=block, dtype=x.dtype,
             rht=rht, rht_signs=signs if rht else None, rounding=rounding, values_bf16=values,
+            four_over_six=four_over_six, e4m3_max=e4m3_max, row_scaled=row_scaled,
         )
 
     if M * K == 0:
@@ -465,9 +541,15 @@ def quantize(
         return result(
             torch.zeros(M, -(-K // 2), dtype=torch.uint8, device=device),
             torch.zeros(rows_s, -(-K // BLOCK_SIZE), dtype=torch.float8_e4m3fn, device=device),
-            torch.zeros((), dtype=torch.float32, device=device),
+            torch.zeros((M,) if row_scaled else (), dtype=torch.float32, device=device),
         )
     mask = kernels.sign_mask(signs) if rht else 0
+    if four_over_six or row_scaled:
+        data, scale, amax_t = _quantize_options_reference(x.reshape(M, K), block, four_over_six, e4m3_max,
+                                                         err_mode, row_scaled, amax_in)
+        if check:
+            _check_values(x.reshape(M, K), amax_t.amax() if row_scaled else amax_t, amax_in is not None, rht)
+        return result(data, scale, amax_t)
     if kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask):
         data, scale, amax_t = kernels.quantize_rowwise(
             x, block2d=block == "2d", rht=rht, sr=rounding == "stochastic", sign_mask=mask,
@@ -507,6 +589,131 @@ def _quantize_reference(x2: torch.Tensor, block: str, rht: bool, rounding: str, 
         codes = rne_codes(y)
     else:
         codes = sr_codes(y.clamp(-E2M1_MAX, E2M1_MAX), generator=generator)
+    return pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t
+
+
+def quantize_4over6_blocks(xb: torch.Tensor, vec_max: torch.Tensor, amax: torch.Tensor, *, e4m3_max: int = 448,
+                           err_mode: str = "MAE", tile_rows: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """4over6 on blocks, TE's operations in TE's order -> (codes ``uint8 [m, nb, 16]``, scales E4M3 ``[m, nb]``).
+
+    Source: TE 2.20 ``custom_recipes/reference_nvfp4.py``,
+    ``NVFP4QuantizerRef._quantize_blockwise_reference`` (global scale) and
+    ``_quantize_blockwise_4over6_reference`` (candidates, error, choice); CUDA
+    ``common/cast/nvfp4/quantize_4over6_nvfp4.cuh``. One FP32 operation per line, RN = round to
+    nearest even, ``N = 6 · e4m3_max`` (2688 or 1536)::
+
+        S_enc  = min(RN(N / amax), FLT_MAX); 1.0 where that is 0   # amax inf; amax 0 -> FLT_MAX, as TE's reference
+        S_dec  = RN(1 / S_enc)                                      # torch.div(1.0, S_enc)
+        base   = RN(RN(bamax / 6) * S_enc)       # NOT the default path's bamax * RN(S_enc * RN(1/6))
+        sf4    = e4m3(clamp(RN(base * 1.5), ±448))                 # map-to-4: block max lands on 4
+        sf6    = e4m3(clamp(base, ±448))                           # map-to-6: the usual block max on 6
+        enc_k  = min(RN(1 / RN(float(sf_k) * S_dec)), FLT_MAX)
+        q_k    = e2m1_rne(clamp(RN(x * enc_k), ±6))
+        for i in 0..15 (sequentially, err_k starting at +0):        # the error, in the input's domain
+            v      = RN(RN(RN(q_k[i] * sf_k) * amax) / N)           # a division by N, not a reciprocal
+            d      = RN(v - x_i)
+            err_k  = RN(err_k + |d|)          (MAE)   or   RN(err_k + RN(d * d))   (MSE)
+        16x16 tiles: the 16 row errors summed as a tree, rows [0:8]+[8:16], [0:4]+[4:8], [0:2]+[2:4],
+                     [0]+[1] (TE _sum_4over6_2d_error, the CUDA warp reduction order)
+        pick map-to-4  iff  err4 < err6  (strictly: a tie keeps map-to-6)
+
+    Args:
+        xb: float32 ``[m, nb, 16]``, the blocks (zero padding contributes 0 to the errors).
+        vec_max: float32 ``[m, nb, 1]``, the block amax of each row's block (for 16x16 tiles the tile
+            amax repeated on its 16 rows).
+        amax: float32 global amax, 0-d, or ``[m, 1, 1]`` per row (row-scaled).
+        e4m3_max: 448 or 256.
+        err_mode: ``"MAE"`` or ``"MSE"``.
+        tile_rows: 1 (1x16 blocks) or 16 (16x16 tiles; ``m`` a multiple of 16).
+    """
+    dev = xb.device
+    m, nb, tl = xb.shape
+    fp4_max = _f32(E2M1_MAX, dev)
+    e4m3_clamp = _f32(448.0, dev)                                 # block scales are clamped at 448 always
+    denom = fp4_max * _f32(float(e4m3_max), dev)                  # 6 * e4m3_max, exact
+    flt_max = _f32(FLT_MAX, dev)
+    s_enc = torch.minimum(torch.div(denom, amax), flt_max)
+    s_enc = torch.where(s_enc == 0.0, torch.ones_like(s_enc), s_enc)
+    s_dec = torch.div(1.0, s_enc)
+    base = torch.div(vec_max, fp4_max) * s_enc
+    sf4 = torch.clamp(base * 1.5, min=-e4m3_clamp, max=e4m3_clamp).to(torch.float8_e4m3fn)
+    sf6 = torch.clamp(base, min=-e4m3_clamp, max=e4m3_clamp).to(torch.float8_e4m3fn)
+    enc4 = torch.minimum(torch.div(1.0, sf4.float() * s_dec), flt_max)
+    enc6 = torch.minimum(torch.div(1.0, sf6.float() * s_dec), flt_max)
+    q4 = rne_codes(torch.clamp(xb * enc4, -fp4_max, fp4_max))
+    q6 = rne_codes(torch.clamp(xb * enc6, -fp4_max, fp4_max))
+    v4_all, v6_all = decode_e2m1(q4), decode_e2m1(q6)
+    sf4_f, sf6_f = sf4.float().squeeze(-1), sf6.float().squeeze(-1)   # [m, nb]
+    err_amax = amax.squeeze(-1) if amax.dim() == 3 else amax         # row-scaled: [m, 1]
+    err4 = torch.zeros_like(vec_max)
+    err6 = torch.zeros_like(vec_max)
+    for i in range(tl):
+        for vals, sf, which in ((v4_all, sf4_f, 4), (v6_all, sf6_f, 6)):
+            v = vals[:, :, i] * sf
+            v = v * err_amax
+            v = v / denom
+            d = v - xb[:, :, i]
+            e = (d * d) if err_mode == "MSE" else torch.abs(d)
+            if which == 4:
+                err4 = err4 + e.unsqueeze(-1)
+            else:
+                err6 = err6 + e.unsqueeze(-1)
+    if tile_rows == 1:
+        pick4 = err4 < err6
+    else:
+        pick4 = (_tree_sum_16_rows(err4) < _tree_sum_16_rows(err6)).repeat_interleave(tile_rows, dim=0)
+    codes = torch.where(pick4, q4, q6)
+    scale = torch.where(pick4, sf4.view(torch.uint8), sf6.view(torch.uint8)).view(torch.float8_e4m3fn).squeeze(-1)
+    return codes, scale
+
+
+def _tree_sum_16_rows(err: torch.Tensor) -> torch.Tensor:
+    """[m, nb, 1] row errors -> [m/16, nb, 1] tile errors, TE ``_sum_4over6_2d_error``'s tree order."""
+    rows = err.view(err.shape[0] // BLOCK_SIZE, BLOCK_SIZE, err.shape[1])
+    rows = rows[:, 0:8, :] + rows[:, 8:16, :]
+    rows = rows[:, 0:4, :] + rows[:, 4:8, :]
+    rows = rows[:, 0:2, :] + rows[:, 2:4, :]
+    return (rows[:, 0, :] + rows[:, 1, :]).unsqueeze(-1)
+
+
+def _quantize_options_reference(x2: torch.Tensor, block: str, four_over_six: bool, e4m3_max: int, err_mode: str,
+                                row_scaled: bool, amax: torch.Tensor | None):
+    """The reference for 4over6 and/or row-scaled ``x2`` [M, K] -> (data, scale, amax).
+
+    Source: TE ``NVFP4QuantizerRef._quantize`` (amax: ``max |x|`` per tensor, or per row
+    ``torch.max(|x|, dim=1)`` when row-scaled, on the unpadded input) and
+    ``_quantize_blockwise_reference`` (zero padding to whole blocks; the default path with a per-row
+    ``S_enc`` when only row-scaled, :func:`quantize_4over6_blocks` with 4over6).
+    """
+    M, K = x2.shape
+    xf = x2.float().contiguous()
+    Kp = _ceil_to(K, BLOCK_SIZE)
+    Mp = _ceil_to(M, BLOCK_SIZE) if block == "2d" else M
+    xp = F.pad(xf, (0, Kp - K, 0, Mp - M)) if (Kp, Mp) != (K, M) else xf
+    xabs = xp.abs()
+    if row_scaled:
+        amax_t = xf.abs().amax(dim=1)                                  # [M]
+        amax_b = F.pad(amax_t, (0, Mp - M)).view(Mp, 1, 1)
+    else:
+        amax_t = xabs.amax() if amax is None else amax
+        amax_b = amax_t
+    nb = Kp // BLOCK_SIZE
+    xb = xp.view(Mp, nb, BLOCK_SIZE)
+    if block == "1d":
+        vec_max = xabs.view(Mp, nb, BLOCK_SIZE).amax(dim=-1, keepdim=True)
+    else:
+        tile = xabs.view(Mp // BLOCK_SIZE, BLOCK_SIZE, nb, BLOCK_SIZE).amax(dim=(1, 3))
+        vec_max = tile.repeat_interleave(BLOCK_SIZE, dim=0).unsqueeze(-1)
+    if four_over_six:
+        codes, scale = quantize_4over6_blocks(xb, vec_max, amax_b, e4m3_max=e4m3_max, err_mode=err_mode,
+                                              tile_rows=BLOCK_SIZE if block == "2d" else 1)
+        if block == "2d":  # one scale per tile: the rows of a tile share it
+            scale = scale[::BLOCK_SIZE]
+    else:  # row-scaled only: the default path with a per-row S_enc
+        scale = block_decode_scales(vec_max, amax_b)
+        codes = rne_codes(xb * block_encode_scales(scale, amax_b))
+        scale = scale.squeeze(-1)
+    codes = codes.reshape(Mp, Kp)
     return pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t
 
 
@@ -557,11 +764,13 @@ def quantize_rowwise_columnwise(
     block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
     col_rht = bool(col.get("rht", False))
     mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
+    extra = any(opts.get(k) for opts in (row, col) for k in ("four_over_six", "row_scaled"))
     fast = (not row_rht and (col.get("block", "1d"), col.get("rounding", "nearest")) == (block, rounding)
-            and row.get("amax") is None and col.get("amax") is None and x.dim() >= 2)
+            and row.get("amax") is None and col.get("amax") is None and x.dim() >= 2 and not extra)
     if fast:
         _check_options(x, block, rounding, False)
-        fast = kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask)
+        fast = kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask,
+                                                 four_over_six=False, row_scaled=False)
     if not fast:
         if not fallback:
             return None
@@ -618,6 +827,15 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
     ):
         raise ValueError("both operands must use the same RHT (or none) for it to cancel in the GEMM")
+    plain = not (a.row_scaled or b.row_scaled) and a.e4m3_max == b.e4m3_max == 448  # what gemm covers
+    if not plain:
+        # TE reference qgemm: alpha = (amax_a * amax_b) / (6·6·e4m3_max_a·e4m3_max_b); a row-scaled
+        # operand contributes one amax per output row (a) or column (b).
+        acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
+        amax_a = a.amax.reshape(-1, 1) if a.row_scaled else a.amax
+        amax_b = b.amax.reshape(1, -1) if b.row_scaled else b.amax
+        factor = E2M1_MAX * E2M1_MAX * float(a.e4m3_max) * float(b.e4m3_max)
+        return _gemm_epilogue(acc, amax_a, amax_b, out_dtype, bias, factor)
     if a.rows * a.cols * b.rows and kernels.covers_gemm(a.device, b.device, out_dtype, bias):
         # BF16 block values (exact) and a cuBLAS BF16 GEMM with FP32 accumulation, then alpha, bias, cast.
         return kernels.gemm(a.block_values(torch.bfloat16), b.block_values(torch.bfloat16), a.amax, b.amax,
@@ -627,11 +845,11 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
 
 
 def _gemm_epilogue(acc: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, out_dtype: torch.dtype,
-                   bias: torch.Tensor | None) -> torch.Tensor:
+                   bias: torch.Tensor | None, factor: float = GEMM_ALPHA_DENOMINATOR) -> torch.Tensor:
     """The tail of an emulated NVFP4 GEMM, in FP32 and in this order: ``RN(acc · alpha)`` with
     ``alpha = RN(RN(amax_a · amax_b) / (6²·448²))`` (a tensor division, IEEE), ``+ bias``, one
     rounding to ``out_dtype``. ``acc``: the FP32 product of the block values [M, N]."""
-    alpha = (amax_a.float() * amax_b.float()) / _f32(GEMM_ALPHA_DENOMINATOR, acc.device)
+    alpha = (amax_a.float() * amax_b.float()) / _f32(factor, acc.device)
     y = acc * alpha
     if bias is not None:
         y = y + bias.to(torch.float32)

@@ -32,7 +32,7 @@ from typing import Any, Mapping
 
 from .precisions import canonical_name, get_precision
 
-__all__ = ["NVFP4Recipe", "QUANTIZATION_ROLES", "DEFAULT_BLOCK_PATTERN", "block_index", "layer_is_quantized"]
+__all__ = ["NVFP4Recipe", "QUANTIZATION_ROLES", "FOUR_OVER_SIX_SCOPES", "FOUR_OVER_SIX_ERR_MODES", "BACKWARD_OVERRIDES", "DEFAULT_BLOCK_PATTERN", "block_index", "layer_is_quantized"]
 
 #: The quantization roles of a linear layer, see :meth:`NVFP4Recipe.quantize_options`.
 QUANTIZATION_ROLES = (
@@ -48,7 +48,22 @@ _TE_ENV = {
     "disable_rht": "NVTE_NVFP4_DISABLE_RHT",
     "disable_stochastic_rounding": "NVTE_NVFP4_DISABLE_STOCHASTIC_ROUNDING",
     "disable_2d_quantization": "NVTE_NVFP4_DISABLE_2D_QUANTIZATION",
+    "row_scaled_activation": "NVTE_NVFP4_ROW_SCALED_ACTIVATION",
 }
+#: String fields read from the environment as they are (TE recipe ``__init__.py``).
+_TE_ENV_STR = {
+    "nvfp4_4over6": "NVTE_NVFP4_4OVER6",
+    "nvfp4_4over6_e4m3_use_256": "NVTE_NVFP4_4OVER6_E4M3_USE_256",
+    "nvfp4_4over6_err_mode": "NVTE_NVFP4_4OVER6_ERR_MODE",
+    "backward_override": "NVTE_BACKWARD_OVERRIDE",
+}
+
+#: The scopes of ``nvfp4_4over6`` and ``nvfp4_4over6_e4m3_use_256`` (TE ``NVFP4BlockScaling``).
+FOUR_OVER_SIX_SCOPES = ("none", "weights", "activations", "all")
+#: The error measures 4over6 picks a block's candidate by.
+FOUR_OVER_SIX_ERR_MODES = ("MAE", "MSE")
+#: TE's ``backward_override`` values (``None``: the backward GEMMs are quantized too).
+BACKWARD_OVERRIDES = (None, "high_precision", "dequantized")
 
 
 def recipe_from_dict(cls: type, data: Mapping[str, Any] | None):
@@ -88,6 +103,22 @@ class NVFP4Recipe:
             at each end is the closest round number.
         quantize_lm_head: whether linear layers outside the numbered blocks (the LM head) are
             quantized. Default False: the paper keeps the output head in BF16.
+        row_scaled_activation: one FP32 amax per row (token) for the forward activation
+            (the rowwise input copy) instead of one per tensor (TE ``NVFP4BlockScaling``,
+            env ``NVTE_NVFP4_ROW_SCALED_ACTIVATION``). Needs ``disable_rht=True``. Default False.
+        nvfp4_4over6: where 4over6 runs: ``"none"``, ``"weights"``, ``"activations"`` or
+            ``"all"`` (TE field, env ``NVTE_NVFP4_4OVER6``). Per block, the map-to-6 scale
+            (``amax/6``) and the map-to-4 scale (``1.5x``, block max on FP4 value 4) are both
+            tried and the one with the lower error kept (arXiv 2512.02010). Never gradients.
+            ``"activations"``/``"all"`` need ``disable_rht=True``. Default ``"none"``.
+        nvfp4_4over6_e4m3_use_256: where (same scopes) the global scale uses 256 instead of 448
+            as E4M3 bound, leaving room for the 1.5x map-to-4 scale (env
+            ``NVTE_NVFP4_4OVER6_E4M3_USE_256``). Only matters where 4over6 is on. Default ``"all"``.
+        nvfp4_4over6_err_mode: ``"MAE"`` or ``"MSE"``, the error 4over6 compares (env
+            ``NVTE_NVFP4_4OVER6_ERR_MODE``). Default ``"MAE"``.
+        backward_override: ``None`` (backward GEMMs quantized as above), ``"high_precision"``
+            or ``"dequantized"`` (TE field, env ``NVTE_BACKWARD_OVERRIDE``). Validated and kept for
+            TE; nvfp4lab's emulated layers do not act on it yet (see :meth:`quantize_options`).
 
     Raises:
         ValueError: a field has the wrong type (booleans must be ``bool``, layer counts
@@ -100,9 +131,26 @@ class NVFP4Recipe:
     bf16_first_layers: int = 1
     bf16_last_layers: int = 1
     quantize_lm_head: bool = False
+    row_scaled_activation: bool = False
+    nvfp4_4over6: str = "none"
+    nvfp4_4over6_e4m3_use_256: str = "all"
+    nvfp4_4over6_err_mode: str = "MAE"
+    backward_override: str | None = None
 
     def __post_init__(self) -> None:
         self.validate()
+
+    def four_over_six(self, operand: str) -> bool:
+        """Whether 4over6 is on for ``operand`` (``"weights"`` or ``"activations"``)."""
+        return self.nvfp4_4over6 in (operand, "all")
+
+    def e4m3_max(self, operand: str) -> int:
+        """The E4M3 bound of ``operand``'s global scale: 256 where 4over6 is on and
+        ``nvfp4_4over6_e4m3_use_256`` covers the operand, else 448 (TE reference
+        ``NVFP4QuantizerRef``: ``nvfp4_e4m3_max if nvfp4_use_4over6 else 448``)."""
+        if self.four_over_six(operand) and self.nvfp4_4over6_e4m3_use_256 in (operand, "all"):
+            return 256
+        return 448
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -118,6 +166,30 @@ class NVFP4Recipe:
                 raise ValueError(f"NVFP4Recipe.{name} must be an int, got {value!r}")
             if value < 0:
                 raise ValueError(f"NVFP4Recipe.{name} must be >= 0, got {value}")
+        if not isinstance(self.row_scaled_activation, bool):
+            raise ValueError(f"NVFP4Recipe.row_scaled_activation must be a bool, got {self.row_scaled_activation!r}")
+        for name in ("nvfp4_4over6", "nvfp4_4over6_e4m3_use_256"):
+            value = getattr(self, name)
+            if value not in FOUR_OVER_SIX_SCOPES:
+                raise ValueError(f"NVFP4Recipe.{name} must be one of {FOUR_OVER_SIX_SCOPES}, got {value!r}")
+        if self.nvfp4_4over6_err_mode not in FOUR_OVER_SIX_ERR_MODES:
+            raise ValueError(f"NVFP4Recipe.nvfp4_4over6_err_mode must be one of {FOUR_OVER_SIX_ERR_MODES}, "
+                             f"got {self.nvfp4_4over6_err_mode!r}")
+        if self.backward_override not in BACKWARD_OVERRIDES:
+            raise ValueError(f"NVFP4Recipe.backward_override must be one of {BACKWARD_OVERRIDES}, "
+                             f"got {self.backward_override!r}")
+        # TE 2.20 implements neither 4over6 nor row scaling together with the RHT: the recipe raises
+        # "NVFP4 4over6 quantization does not support RHT." for inputs with input RHT on, and the C++
+        # quantizer rejects row-scaled mode with RHT (spec sections 2 and 6). The RHT only touches the
+        # columnwise (Wgrad) copy of the activation, which these modes would also quantize.
+        if self.four_over_six("activations") and not self.disable_rht:
+            raise ValueError(
+                f"NVFP4Recipe.nvfp4_4over6={self.nvfp4_4over6!r} quantizes activations with 4over6, which TE 2.20 "
+                "does not support together with the RHT: set disable_rht=True (or nvfp4_4over6='weights')")
+        if self.row_scaled_activation and not self.disable_rht:
+            raise ValueError(
+                "NVFP4Recipe.row_scaled_activation=True is rejected by TE 2.20 together with the RHT: "
+                "set disable_rht=True")
 
     def check_num_blocks(self, num_blocks: int) -> None:
         """Check the layer selection against a model with ``num_blocks`` transformer blocks.
@@ -164,10 +236,22 @@ class NVFP4Recipe:
             "grad_output_columnwise": dict(block="1d", rht=rht, rounding=sr),
         }
         try:
-            return dict(table[role])
+            options = dict(table[role])
         except KeyError:
             raise ValueError(f"unknown quantization role {role!r}; expected one of "
                              f"{QUANTIZATION_ROLES}") from None
+        # 4over6: TE's quantizer factory turns it on for the weight and input quantizers of the
+        # scope, never for gradients (spec section 2, "Never applied to gradients").
+        operand = {"input_rowwise": "activations", "input_columnwise": "activations",
+                   "weight": "weights", "weight_columnwise": "weights"}.get(role)
+        if operand is not None and self.four_over_six(operand):
+            options.update(four_over_six=True, e4m3_max=self.e4m3_max(operand),
+                           err_mode=self.nvfp4_4over6_err_mode)
+        # Row-scaled: one FP32 amax per row for the forward (rowwise, Fprop) activation only;
+        # TE's row-scaled mode is rowwise only and 1x16 only (reference ``_quantize``).
+        if role == "input_rowwise" and self.row_scaled_activation:
+            options.update(row_scaled=True)
+        return options
 
     # ------------------------------------------------------------------ (de)serialisation
     def replace(self, **changes: Any) -> "NVFP4Recipe":
@@ -201,6 +285,10 @@ class NVFP4Recipe:
             if raw not in ("0", "1"):
                 raise ValueError(f"{var} must be '0' or '1', got {raw!r}")
             fields[field] = raw == "1"
+        for field, var in _TE_ENV_STR.items():
+            raw = environ.get(var)
+            if raw is not None:
+                fields[field] = raw.upper() if field == "nvfp4_4over6_err_mode" else raw
         fields.update(overrides)
         return cls.from_dict(fields)
 

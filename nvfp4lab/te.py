@@ -67,6 +67,10 @@ _FALLBACK_NO_FP8 = "use nvfp4lab's emulated NVFP4 with --backend nvfp4lab"
 
 # NVFP4Recipe field -> NVFP4BlockScaling field (same names on both sides, by design).
 _NVFP4_FLAGS = ("disable_rht", "disable_stochastic_rounding", "disable_2d_quantization")
+# Later NVFP4BlockScaling fields (TE 2.20: 4over6, row-scaled activation, backward override), passed only
+# when they differ from TE's defaults, so that a TE without them still takes the base recipe.
+_NVFP4_OPTION_DEFAULTS = {"row_scaled_activation": False, "nvfp4_4over6": "none", "nvfp4_4over6_e4m3_use_256": "all",
+                          "nvfp4_4over6_err_mode": "MAE", "backward_override": None}
 
 
 class TransformerEngineUnavailable(ImportError):
@@ -211,12 +215,18 @@ def make_recipe(name: str, nvfp4_recipe: Any = None, **overrides: Any) -> Any:
         if missing:
             raise TypeError(f"nvfp4_recipe {type(nvfp4_recipe).__name__} lacks {missing}; expected an NVFP4Recipe")
         flags = {f: bool(getattr(nvfp4_recipe, f)) for f in _NVFP4_FLAGS}
+        flags.update({f: getattr(nvfp4_recipe, f) for f, d in _NVFP4_OPTION_DEFAULTS.items()
+                      if getattr(nvfp4_recipe, f, d) != d})
     r = _te_recipe_module()
     if key == "nvfp4":
         return r.NVFP4BlockScaling(**{**flags, **overrides})
     if key == "nvfp4-reference":
         if overrides:
             raise ValueError(f"'nvfp4-reference' takes no recipe overrides, got {sorted(overrides)}")
+        extra = sorted(set(flags) - set(_NVFP4_FLAGS))
+        if extra:
+            raise ValueError(f"'nvfp4-reference' (nvfp4lab's factory of TE's NVFP4QuantizerRef) does not pass "
+                             f"the NVFP4Recipe field(s) {extra}; use 'nvfp4' or the emulated backend")
         factory = nvfp4_reference_factory(
             disable_rht=flags.get("disable_rht", False),
             disable_2d_quantization=flags.get("disable_2d_quantization", False),

@@ -394,8 +394,12 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
 
 
 # ----------------------------------------------------------------------------- public API
-def covers_quantize(x: torch.Tensor, *, block: str, rounding: str, rht: bool, sign_mask: int | None) -> bool:
+def covers_quantize(x: torch.Tensor, *, block: str, rounding: str, rht: bool, sign_mask: int | None,
+                    four_over_six: bool = False, row_scaled: bool = False) -> bool:
     """Whether :func:`quantize_rowwise` computes ``quantize(x, ...)`` for these options.
+
+    Never for 4over6 or row-scaled quantization (TE ``nvfp4_use_4over6``, ``row_scaled_nvfp4``):
+    the kernels do not implement them, so ``nvfp4lab.quantize`` runs its reference.
 
     ``x`` [..., K] must be float32/bfloat16/float16 on a device the kernels run on
     (:func:`available`), non-empty and at least 1-D (2-D for ``block="2d"``); the RHT needs
@@ -403,6 +407,8 @@ def covers_quantize(x: torch.Tensor, *, block: str, rounding: str, rht: bool, si
     the only one that decides between these kernels and the reference) has already validated
     the options themselves.
     """
+    if four_over_six or row_scaled:
+        return False
     if not isinstance(x, torch.Tensor) or not available(x.device):
         return False
     if block not in ("1d", "2d") or rounding not in ("nearest", "stochastic"):
@@ -417,13 +423,17 @@ def covers_quantize(x: torch.Tensor, *, block: str, rounding: str, rht: bool, si
 
 
 def covers_rowwise_columnwise(x: torch.Tensor, *, block: str, rounding: str, rht: bool,
-                              sign_mask: int | None) -> bool:
+                              sign_mask: int | None, four_over_six: bool = False, row_scaled: bool = False) -> bool:
     """Whether :func:`quantize_rowwise_columnwise` computes both copies of ``x`` [..., K].
+
+    Never for 4over6 or row-scaled quantization (see :func:`covers_quantize`).
 
     As :func:`covers_quantize` for the rowwise copy (never RHT'd), plus: ``x`` at least 2-D;
     a columnwise RHT needs ``M % 16 == 0`` (M = rows of ``x`` flattened) and no float16 input;
     ``block="2d"`` takes neither the RHT nor SR.
     """
+    if four_over_six or row_scaled:
+        return False
     if not covers_quantize(x, block=block, rounding=rounding, rht=False, sign_mask=0) or x.dim() < 2:
         return False
     if rht and (math.prod(x.shape[:-1]) % RHT_SIZE or sign_mask is None or x.dtype == torch.float16):
