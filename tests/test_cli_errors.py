@@ -142,7 +142,9 @@ def test_kill_9_during_training_leaves_a_good_checkpoint(tmp_path):
     p.send_signal(signal.SIGKILL)
     p.wait()
     ckpt = load_checkpoint(tmp_path / "run")                        # the latest is complete
-    assert ckpt["step"] >= 2 and load_checkpoint(tmp_path / "run" / PREVIOUS_CHECKPOINT_NAME)["step"] < ckpt["step"]
+    # the previous one is older, or (killed between the rotation's two renames) the same checkpoint
+    # hard-linked under both names: nothing already written is lost either way
+    assert ckpt["step"] >= 2 and load_checkpoint(tmp_path / "run" / PREVIOUS_CHECKPOINT_NAME)["step"] <= ckpt["step"]
 
 
 def test_quantize_inf_keeps_te_numerics_and_warns_once_per_call_site():
