@@ -57,20 +57,35 @@ class SRStream:
         if not isinstance(seed, int) or isinstance(seed, bool):
             raise TypeError(f"SRStream seed must be an int, got {type(seed).__name__}")
         key = (seed * 0x9E3779B97F4A7C15 + 0x632BE59BD9B4E019) & self._MASK  # spread small seeds apart
-        self._state = torch.tensor([key, 0], dtype=torch.int64, device=device)
-        self._pair = torch.tensor([0, 1], dtype=torch.int64, device=device)
+        # [key, counter c, key + 2c, key + 2c + 1]: the next two keys kept ready, so that one add
+        # (counter +1, keys +2) advances the stream and a kernel can read the keys in place
+        self._buf = torch.tensor([key, 0, key, key + 1], dtype=torch.int64, device=device)
+        self._step = torch.tensor([1, 2, 2], dtype=torch.int64, device=device)
 
     @property
     def device(self) -> torch.device:
         """The device of the state (and of the seeds)."""
-        return self._state.device
+        return self._buf.device
 
     def seeds(self) -> torch.Tensor:
         """Two int64 Philox keys for the next quantization, ``[2]`` on :attr:`device`; advances the
         counter (device operations only: capturable)."""
-        out = self._state[0] + 2 * self._state[1] + self._pair
-        self._state[1:].add_(1)
+        out = self._buf[2:].clone()
+        self.advance()
         return out
+
+    def next_keys(self) -> torch.Tensor:
+        """The keys :meth:`seeds` would return, as a view of the state (no copy, no advance).
+
+        For a kernel launched on the state's stream that reads them before :meth:`advance` is
+        issued on that stream: two launches fewer than :meth:`seeds` (stream order keeps the read
+        ahead of the add). Anything else should call :meth:`seeds`.
+        """
+        return self._buf[2:]
+
+    def advance(self) -> None:
+        """Move to the next keys: counter +1, keys +2 (one in-place device add)."""
+        self._buf[1:].add_(self._step)
 
     def generator(self) -> torch.Generator:
         """A ``torch.Generator`` on :attr:`device` seeded from the next keys (one host read): the
@@ -80,7 +95,7 @@ class SRStream:
 
     def get_state(self) -> torch.Tensor:
         """The state as a CPU int64 tensor ``[key, counter]`` (a copy)."""
-        return self._state.detach().to("cpu", copy=True)
+        return self._buf[:2].detach().to("cpu", copy=True)
 
     def set_state(self, state: torch.Tensor) -> "SRStream":
         """Restore a state from :meth:`get_state` (any device's) in place; returns ``self``.
@@ -92,7 +107,9 @@ class SRStream:
         if state.dtype != torch.int64 or tuple(state.shape) != (2,):
             raise ValueError(f"SRStream state must be an int64 tensor [key, counter], got {state.dtype} "
                              f"{tuple(state.shape)}")
-        self._state.copy_(state)
+        key, counter = state.detach().to("cpu")
+        keys = key + 2 * counter + torch.tensor([0, 1], dtype=torch.int64)
+        self._buf.copy_(torch.cat([state.detach().to("cpu"), keys]))
         return self
 
     def to(self, device: torch.device | str) -> "SRStream":

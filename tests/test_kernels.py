@@ -459,6 +459,28 @@ def test_sr_rowwise_statistics():
     assert not torch.equal(other.data, q.data)
 
 
+def test_sr_stream_keys_are_read_in_place_and_advanced_once_per_quantization():
+    """With an SRStream the kernels read the next keys in place and the stream advances once per
+    quantization (rowwise and columnwise copies share one call's two keys): call c of a stream
+    equals call 0 of a stream restored to counter c, and the counter counts the calls."""
+    from nvfp4lab.rounding import SRStream
+
+    x = _x((32, 64), torch.bfloat16, seed=5)
+    s = SRStream(3)
+    first = fast(x, rounding="stochastic", generator=s)
+    second = fast(x, rounding="stochastic", generator=s)
+    r1, c1 = pair(x, rht=True, rounding="stochastic", generator=s)
+    key, counter = s.get_state().tolist()
+    assert counter == 3
+    assert not torch.equal(first.data, second.data)
+    assert_nvfp4_equal(fast(x, rounding="stochastic", generator=SRStream(3)), first)
+    restored = SRStream(0).set_state(torch.tensor([key, 1]))
+    assert_nvfp4_equal(fast(x, rounding="stochastic", generator=restored), second)
+    r2, c2 = pair(x, rht=True, rounding="stochastic", generator=SRStream(0).set_state(torch.tensor([key, 2])))
+    assert_nvfp4_equal(r1, r2)
+    assert_nvfp4_equal(c1, c2)
+
+
 def test_sr_fused_columnwise_rht_statistics(kernel_options):
     n = 64
     x = _x((32, 16), torch.bfloat16, seed=12)  # M=32 tokens, K=16 features

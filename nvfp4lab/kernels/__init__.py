@@ -254,13 +254,14 @@ def _as_2d(x: torch.Tensor) -> torch.Tensor:
 
 def _seeds(generator, device) -> torch.Tensor:
     """Two 63-bit Philox keys (rowwise, columnwise) on ``device``: from an :class:`~nvfp4lab.rounding.SRStream`
-    (device operations only, capturable), else drawn from ``generator`` (default: ``device``'s
+    (its state read in place by the kernel, which the caller follows with ``generator.advance()``:
+    device operations only, capturable), else drawn from ``generator`` (default: ``device``'s
     default generator; a CUDA graph captures that one, other generators must be registered with it)."""
     if isinstance(generator, SRStream):
         if generator.device != torch.device(device):
             raise ValueError(f"the SRStream lives on {generator.device}, the tensor on {device}: "
                              "make the stream on the tensor's device (SRStream.to)")
-        return generator.seeds()
+        return generator.next_keys()
     if generator is None:
         return torch.randint(0, 2**62, (2,), device=device, dtype=torch.int64)
     s = torch.randint(0, 2**62, (2,), generator=generator, device=generator.device, dtype=torch.int64)
@@ -388,6 +389,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         launch(False, True)
     else:
         launch(row, col)
+    if sr and isinstance(generator, SRStream):
+        generator.advance()   # after the kernels that read its keys in place (same stream)
     f8 = torch.float8_e4m3fn
     return (d, None if s is None else s.view(f8), a_row.reshape(()),
             dt, None if st is None else st.view(f8), a_col.reshape(()), out_v[0], out_v[1])

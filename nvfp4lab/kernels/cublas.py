@@ -18,6 +18,7 @@ that library and its symbols were found; callers fall back to ``torch.mm`` + epi
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 
@@ -127,7 +128,9 @@ def gemm_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha_zero: torch.Tensor
     lib = _load() if torch.cuda.is_available() else None
     if lib is None:
         return None
-    with torch.cuda.device(a.device):
+    # switching devices costs a context manager per call: only when a lives on another GPU
+    here = a.device.index is None or a.device.index == torch.cuda.current_device()
+    with contextlib.nullcontext() if here else torch.cuda.device(a.device):
         out = torch.empty(M, N, dtype=out_dtype, device=a.device)
         handle = torch.cuda.current_blas_handle()  # bound to the current stream by PyTorch
         # b row-major [N, K] is a col-major K x N matrix: op T gives N x K; a transposed view is

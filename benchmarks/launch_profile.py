@@ -1,0 +1,139 @@
+"""Where a public call's time goes: ``python benchmarks/launch_profile.py [--out FILE] [--cprofile N]``.
+
+For each public call of :mod:`benchmarks.bench_api` (``quantize`` on 8192² BF16, ``NVFP4Linear``
+forward+backward at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape) it reports, in one run:
+
+* ``kernels``: the GPU kernels one call launches (``torch.profiler``), by name, with their count;
+* ``host_us``: the host time of one call, calls issued back to back without synchronizing
+  (when it exceeds the GPU time, the call is launch-bound: the GPU waits for Python);
+* ``gpu_us``: the call's GPU time captured in a CUDA graph (:func:`nvfp4lab.timing.graph_ms`);
+* with ``--cprofile N``: the N Python functions with the most own time over 50 calls.
+
+CUDA only. Written with provenance to ``results/launch_profile_cuda.json`` (``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import cProfile
+import io
+import json
+import pstats
+import sys
+import time
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4lab.linear import NVFP4Linear  # noqa: E402
+from nvfp4lab.provenance import environment  # noqa: E402
+from nvfp4lab.quantize import quantize  # noqa: E402
+from nvfp4lab.timing import graph_ms  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Callable[[], Any]:
+    def step():
+        layer.weight.grad = None
+        x.grad = None
+        layer(x).backward(gy)
+    return step
+
+
+def kernels_per_call(fn: Callable[[], Any]) -> dict[str, int]:
+    """The GPU kernels of one call of ``fn``, name -> count (after warm-up)."""
+    fn()
+    torch.cuda.synchronize()
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    counts: collections.Counter[str] = collections.Counter()
+    for ev in prof.events():
+        if ev.device_type == torch.autograd.DeviceType.CUDA:
+            counts[ev.name[:90]] += 1
+    return dict(counts.most_common())
+
+
+def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
+    """Host microseconds per call, issued back to back (synchronized only before and after)."""
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(calls):
+        fn()
+    t1 = time.perf_counter()
+    torch.cuda.synchronize()
+    return 1e6 * (t1 - t0) / calls
+
+
+def top_functions(fn: Callable[[], Any], n: int, calls: int = 50, sort: str = "tottime") -> str:
+    fn()
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn()
+    prof.disable()
+    torch.cuda.synchronize()
+    s = io.StringIO()
+    stats = pstats.Stats(prof, stream=s).sort_stats(sort)
+    stats.print_stats(n)
+    own: collections.Counter[str] = collections.Counter()
+    for (file, _, _), (_, _, tt, _, _) in stats.stats.items():  # type: ignore[attr-defined]
+        own["nvfp4lab" if "/nvfp4lab/" in file else "triton" if "/triton/" in file
+            else "torch" if "/torch/" in file else "builtins/other"] += tt / calls * 1e6
+    s.write("own time per call (us, profiled): " + ", ".join(f"{k} {v:.0f}" for k, v in own.most_common()) + "\n")
+    return s.getvalue()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--cprofile", type=int, default=0, help="print the N Python functions with most own time")
+    ap.add_argument("--sort", default="tottime", help="cProfile order (tottime, cumulative)")
+    ap.add_argument("--only", default="", help="profile only the calls whose name contains this")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        raise SystemExit("launch_profile.py needs CUDA")
+    dev = "cuda"
+    x = torch.randn(8192, 8192, device=dev).to(torch.bfloat16)
+    amax = x.abs().amax().float()
+    calls: dict[str, Callable[[], Any]] = {
+        "quantize(x, check=False)": lambda: quantize(x, check=False),
+        "quantize(x, amax=a, check=False)": lambda: quantize(x, amax=amax, check=False),
+        "quantize(x)": lambda: quantize(x),
+    }
+    for M, K, N in ((8192, 4096, 4096), (8192, 768, 2304)):
+        xl = torch.randn(M, K, device=dev, dtype=torch.bfloat16, requires_grad=True)
+        gy = torch.randn(M, N, device=dev, dtype=torch.bfloat16)
+        calls[f"NVFP4Linear fwd+bwd {M}x{K}->{N}"] = _fwd_bwd(
+            NVFP4Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16), xl, gy)
+        calls[f"nn.Linear bf16 fwd+bwd {M}x{K}->{N}"] = _fwd_bwd(
+            torch.nn.Linear(K, N, bias=False, device=dev, dtype=torch.bfloat16), xl, gy)
+    rows = []
+    for name, fn in calls.items():
+        if args.only not in name:
+            continue
+        row = {"call": name, "kernels": kernels_per_call(fn), "host_us": host_us(fn), "gpu_us": 1e3 * graph_ms(fn)}
+        row["launches"] = sum(row["kernels"].values())
+        rows.append(row)
+        print(f"{name}: {row['launches']} launches, host {row['host_us']:.1f} us, GPU {row['gpu_us']:.1f} us",
+              flush=True)
+        for k, c in row["kernels"].items():
+            print(f"    {c} x {k}")
+        if args.cprofile:
+            print(top_functions(fn, args.cprofile, sort=args.sort), flush=True)
+    out = args.out or ROOT / "results" / "launch_profile_cuda.json"
+    out.write_text(json.dumps({"environment": environment(), "calls": rows}, indent=1) + "\n")
+    print("wrote", out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
