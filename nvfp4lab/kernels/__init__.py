@@ -175,6 +175,7 @@ class _State:
 _state = _State()
 _KERNELS: Any = None
 _IMPORT_ERROR: Exception | None = None
+_INTERPRETED: bool | None = None
 
 
 def _kernels():
@@ -192,10 +193,13 @@ def _kernels():
 
 def interpreter_mode() -> bool:
     """True when the kernels were built for Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
-    k = _kernels()
-    if k is None:
-        return False
-    return type(k.quantize_kernel).__name__ == "InterpretedFunction"
+    global _INTERPRETED
+    if _INTERPRETED is None:
+        k = _kernels()
+        if k is None:
+            return False
+        _INTERPRETED = type(k.quantize_kernel).__name__ == "InterpretedFunction"   # fixed once built
+    return _INTERPRETED
 
 
 def available(device: torch.device | str) -> bool:
