@@ -824,7 +824,8 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
     if a.cols != b.cols:
         raise ValueError(f"contraction dimensions differ: a has K={a.cols}, b has K={b.cols}")
     if a.rht != b.rht or (
-        a.rht and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
+        a.rht and a.rht_signs is not b.rht_signs
+        and not torch.equal(torch.as_tensor(a.rht_signs), torch.as_tensor(b.rht_signs))
     ):
         raise ValueError("both operands must use the same RHT (or none) for it to cancel in the GEMM")
     plain = not (a.row_scaled or b.row_scaled) and a.e4m3_max == b.e4m3_max == 448  # what gemm covers
