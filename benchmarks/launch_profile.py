@@ -29,20 +29,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_api import _fwd_bwd  # noqa: E402  (the same step as the API benchmark)
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
 from nvfp4lab.timing import graph_ms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Callable[[], Any]:
-    def step():
-        layer.weight.grad = None
-        x.grad = None
-        layer(x).backward(gy)
-    return step
 
 
 def kernels_per_call(fn: Callable[[], Any]) -> dict[str, int]:

@@ -34,6 +34,25 @@ def _poison_at(monkeypatch, step_to_fail, precision="nvfp4"):
     monkeypatch.setattr(model_mod.GPT, "forward", forward)
 
 
+def _scale_loss_at(monkeypatch, factors: dict[int, float]) -> None:
+    """Multiply the training loss by ``factors[i]`` at the i-th training forward (counted from 1,
+    in every precision): an injected spike (a finite factor) or failure (NaN)."""
+    import nvfp4lab.model as model_mod
+
+    real = model_mod.GPT.forward
+    n = {"i": 0}
+
+    def forward(self, idx, targets=None):
+        logits, loss = real(self, idx, targets)
+        if self.training and torch.is_grad_enabled():
+            n["i"] += 1
+            if n["i"] in factors:
+                loss = loss * factors[n["i"]]
+        return logits, loss
+
+    monkeypatch.setattr(model_mod.GPT, "forward", forward)
+
+
 def test_nonfinite_falls_back_to_fp8_from_the_last_checkpoint(tmp_path, monkeypatch):
     _poison_at(monkeypatch, 5)
     res = train(TrainConfig(preset="ci", precision="nvfp4", steps=8, on_nonfinite="fallback", checkpoint_interval=4,
@@ -60,20 +79,7 @@ def test_exhausted_chain_stops_with_the_error(tmp_path, monkeypatch):
 
 def test_a_spike_with_action_fallback(tmp_path, monkeypatch):
     """A loss multiplied by 50 at step 30 is a spike at z = 6 and falls back to BF16."""
-    import nvfp4lab.model as model_mod
-
-    real = model_mod.GPT.forward
-    n = {"i": 0}
-
-    def forward(self, idx, targets=None):
-        logits, loss = real(self, idx, targets)
-        if self.training and torch.is_grad_enabled():
-            n["i"] += 1
-            if n["i"] == 31:
-                loss = loss * 50
-        return logits, loss
-
-    monkeypatch.setattr(model_mod.GPT, "forward", forward)
+    _scale_loss_at(monkeypatch, {31: 50.0})
     res = train(TrainConfig(preset="ci", precision="nvfp4", steps=34, spike_z=6.0, spike_action="fallback",
                             fallback_chain=("nvfp4", "bf16"), checkpoint_interval=10, out=str(tmp_path),
                             progress=False, plot=False, eval_interval=34))
@@ -130,20 +136,7 @@ def test_two_fallbacks_through_an_alias_in_the_chain(tmp_path, monkeypatch):
     """The default chain names "fp8", an alias of "fp8-current": a second failure, in the FP8
     session, must still find its place in the chain and fall back to BF16 (it raised ValueError:
     'fp8-current' is not in list)."""
-    import nvfp4lab.model as model_mod
-
-    real = model_mod.GPT.forward
-    n = {"i": 0}
-
-    def forward(self, idx, targets=None):
-        logits, loss = real(self, idx, targets)
-        if self.training and torch.is_grad_enabled():
-            n["i"] += 1
-            if n["i"] in (6, 12):   # once in the NVFP4 session, once in the FP8 one
-                loss = loss * float("nan")
-        return logits, loss
-
-    monkeypatch.setattr(model_mod.GPT, "forward", forward)
+    _scale_loss_at(monkeypatch, {6: float("nan"), 12: float("nan")})   # once in the NVFP4 session, once in FP8
     res = train(TrainConfig(preset="ci", precision="nvfp4", steps=12, on_nonfinite="fallback", checkpoint_interval=4,
                             out=str(tmp_path), progress=False, plot=False, eval_interval=4))
     assert res.status == "completed" and res.precision == "bf16"
