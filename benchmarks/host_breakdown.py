@@ -23,6 +23,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.bench_api import _fwd_bwd  # noqa: E402
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
@@ -83,11 +84,7 @@ def main(argv: list[str] | None = None) -> int:
         def backward(ctx, g):
             return g
 
-    def fwd_bwd():
-        layer.weight.grad = None
-        xg.grad = None
-        layer(xg).backward(dy)
-
+    fwd_bwd = _fwd_bwd(layer, xg, dy)   # the step of the API benchmark
     def no_grad_fwd():
         with torch.no_grad():
             layer(xg)

@@ -21,7 +21,6 @@ import io
 import json
 import pstats
 import sys
-import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -30,6 +29,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_api import _fwd_bwd  # noqa: E402  (the same step as the API benchmark)
+from benchmarks.host_breakdown import host_us  # noqa: E402  (the one host timer of these benchmarks)
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
@@ -50,19 +50,6 @@ def kernels_per_call(fn: Callable[[], Any]) -> dict[str, int]:
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             counts[ev.name[:90]] += 1
     return dict(counts.most_common())
-
-
-def host_us(fn: Callable[[], Any], calls: int = 200) -> float:
-    """Host microseconds per call, issued back to back (synchronized only before and after)."""
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t1 = time.perf_counter()
-    torch.cuda.synchronize()
-    return 1e6 * (t1 - t0) / calls
 
 
 def top_functions(fn: Callable[[], Any], n: int, calls: int = 50, sort: str = "tottime") -> str:

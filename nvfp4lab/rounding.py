@@ -107,9 +107,9 @@ class SRStream:
         if state.dtype != torch.int64 or tuple(state.shape) != (2,):
             raise ValueError(f"SRStream state must be an int64 tensor [key, counter], got {state.dtype} "
                              f"{tuple(state.shape)}")
-        key, counter = state.detach().to("cpu")
-        keys = key + 2 * counter + torch.tensor([0, 1], dtype=torch.int64)
-        self._buf.copy_(torch.cat([state.detach().to("cpu"), keys]))
+        state = state.detach().to("cpu")
+        keys = state[0] + 2 * state[1] + torch.tensor([0, 1], dtype=torch.int64)
+        self._buf.copy_(torch.cat([state, keys]))
         return self
 
     def to(self, device: torch.device | str) -> "SRStream":
