@@ -11,9 +11,11 @@ Measured side by side in one run on one device and written with provenance to
 2. ``linear``: ``NVFP4Linear`` forward+backward (the paper's recipe: RHT, SR gradients, 2D weights)
    against BF16 ``nn.Linear`` in the same mode: eager, ``torch.compile`` and captured in the
    user's own CUDA graph, at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape (768 -> 2304).
+   NVFP4 eager twice: replayed from the layer's own graphs (``eager``, the default,
+   ``KernelOptions.layer_graphs``) and with its kernels launched one by one (``eager_no_graphs``).
 3. ``training`` (unless ``--skip-training``): steady-state tokens/s of ``nvfp4lab.train`` on the
-   ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager, ``compile``, ``cuda_graph``
-   (with the optimizer in the graph).
+   ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager (NVFP4 also without the
+   layer graphs), ``compile``, ``cuda_graph`` (with the optimizer in the graph).
 
 Timings come from :mod:`nvfp4lab.timing` (medians). ``--smoke`` runs tiny shapes on any device.
 """
@@ -31,6 +33,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.capabilities import require_device  # noqa: E402
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
@@ -95,20 +98,24 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]]) -> list[dict[s
         for name, factory in make.items():
             t: dict[str, float | None] = {}
             t["eager"] = median_ms(_fwd_bwd(factory(), x, gy), device, iters=20, warmup=3)
+            if name.startswith("nvfp4"):
+                with kernels.use_options(layer_graphs=False):
+                    t["eager_no_graphs"] = median_ms(_fwd_bwd(factory(), x, gy), device, iters=20, warmup=3)
             torch._dynamo.reset()
             t["compile"] = median_ms(_fwd_bwd(torch.compile(factory()), x, gy), device, iters=20, warmup=3)
             t["captured"] = graph_ms(_fwd_bwd(factory(), x, gy)) if device == "cuda" else None
             times[name] = t
             _log(M, K, N, name, t)
         bf, nv = times["bf16_nn.Linear"], times["nvfp4_NVFP4Linear"]
+        base = {mode: bf[mode.replace("_no_graphs", "")] for mode in nv}   # BF16 has no layer graphs
         rows.append({"M": M, "K": K, "N": N, "ms": times,
-                     "vs_bf16": {mode: (nv[mode] / bf[mode] if nv[mode] and bf[mode] else None) for mode in nv}})
+                     "vs_bf16": {mode: (nv[mode] / base[mode] if nv[mode] and base[mode] else None) for mode in nv}})
     return rows
 
 
 def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]:
     """Section 3: steady-state tokens/s of ``nvfp4lab.train``, NVFP4 vs BF16 in each mode."""
-    modes = {"eager": {}, "compile": {"compile": True},
+    modes = {"eager": {}, "eager_no_graphs": {}, "compile": {"compile": True},
              "cuda_graph": {"cuda_graph": True, "graph_optimizer": device == "cuda"}}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
@@ -117,10 +124,14 @@ def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]
                 continue
             tps = {}
             for precision in ("bf16", "nvfp4"):
+                if mode == "eager_no_graphs" and precision == "bf16":
+                    tps[precision] = rows[0]["bf16"]          # BF16 has no layer graphs: the eager run
+                    continue
                 torch._dynamo.reset()
-                res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
-                                        out=f"{tmp}/{mode}-{precision}", progress=False, plot=False,
-                                        eval_interval=steps, checkpoint_interval=0, **extra))
+                with kernels.use_options(layer_graphs=mode != "eager_no_graphs"):
+                    res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
+                                            out=f"{tmp}/{mode}-{precision}", progress=False, plot=False,
+                                            eval_interval=steps, checkpoint_interval=0, **extra))
                 tps[precision] = {"tokens_per_s": res.tokens_per_s, "warmup_time_s": res.to_dict().get("warmup_time_s"),
                                   "final_val_loss": res.final_val_loss}
                 _log(mode, precision, tps[precision])

@@ -6,6 +6,8 @@ microseconds of host time per call, what each adds to an eager step (launch-boun
 sizes, see ``benchmarks/launch_profile.py``). The whole layer step is also captured in a CUDA graph
 for its GPU time. ``--one-core`` pins the process to one CPU core first (``os.sched_setaffinity``;
 threads started later, such as autograd's device thread that runs the backward, inherit it).
+The layer runs with ``KernelOptions(layer_graphs=False)``: its kernels launched one by one, what
+its own CUDA graphs (the eager default, :mod:`nvfp4lab.cuda_graphs`) replay.
 CUDA only. Written with provenance to ``results/host_breakdown_cuda.json`` (``--out``).
 """
 
@@ -148,4 +150,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with kernels.use_options(layer_graphs=False):
+        raise SystemExit(main())

@@ -9,6 +9,8 @@ forward+backward at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape) it repo
 * ``gpu_us``: the call's GPU time captured in a CUDA graph (:func:`nvfp4lab.timing.graph_ms`);
 * with ``--cprofile N``: the N Python functions with the most own time over 50 calls.
 
+The layer runs with ``KernelOptions(layer_graphs=False)``: its kernels launched one by one, what
+its own CUDA graphs (the eager default, :mod:`nvfp4lab.cuda_graphs`) replay.
 CUDA only. Written with provenance to ``results/launch_profile_cuda.json`` (``--out``).
 """
 
@@ -30,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_api import _fwd_bwd  # noqa: E402  (the same step as the API benchmark)
 from benchmarks.host_breakdown import host_us  # noqa: E402  (the one host timer of these benchmarks)
+from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
@@ -116,4 +119,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with kernels.use_options(layer_graphs=False):
+        raise SystemExit(main())

@@ -39,6 +39,13 @@ the fused path (the Triton kernels, see :class:`GemmQuantizer`) no scan is made:
 the per-tensor amax NaN and so every GEMM output using that operand (a NaN in X gives a NaN Y
 and dW; dX stays what dY and W make it).
 
+Speed. Called eagerly on a GPU, the forward and the backward are each replayed from a CUDA graph
+captured per shape (:mod:`nvfp4lab.cuda_graphs`, :data:`LAYER_GRAPHS`; off with
+``kernels.use_options(layer_graphs=False)``): bit-identical to launching the kernels one by one,
+without their launch overhead. Inside someone else's capture, under ``torch.compile``'s tracing,
+with a ``torch.Generator``, another quantizer, a precision switch or recorded operands, the
+kernels are launched directly.
+
 Instrumentation. :func:`capture_gemm_operands` records every quantized GEMM operand with the
 options and the SR generator state used, so tests can check them bit for bit against
 ``quantize(...)`` of the right tensor.
@@ -48,20 +55,22 @@ from __future__ import annotations
 
 import contextlib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Protocol
 
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from . import kernels
+from .cuda_graphs import GraphedCalls
 from .emulated import EmulatedLinear
 from .fp8 import FP8Linear, FP8Recipe
 from .fp8_recipes import DelayedScalingLinear, FP8BlockLinear
 from .hadamard import WGRAD_SIGNS
 from .mx import MXFP4Linear, MXFP8Linear
 from .precisions import EMULATED, canonical_name
-from .quantize import NVFP4Tensor, nvfp4_matmul, quantize, quantize_rowwise_columnwise
+from .quantize import NVFP4Tensor, nvfp4_matmul, pair_uses_kernels, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
 from .rounding import SRStream
 
@@ -69,7 +78,7 @@ __all__ = [
     "NVFP4Linear", "convert_model", "PRECISIONS", "GemmOperand", "capture_gemm_operands",
     "GemmQuantizer", "NVFP4GemmQuantizer", "IdentityQuantizer", "set_quantization_enabled",
     "layer_precisions", "TOKEN_PAD", "SWITCH_SCOPES", "set_high_precision_scope", "EMULATED_LAYERS",
-    "block_recipe_for",
+    "block_recipe_for", "LAYER_GRAPHS",
 ]
 
 #: Precisions understood by :func:`convert_model` (and the trainer's nvfp4lab backend): the
@@ -445,19 +454,31 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
         ctx.bias_dtype = None if bias is None else bias.dtype
         # needs_input_grad is set even under no_grad: skip the backward copies when not training.
-        with torch.autocast(device_type=x.device.type, enabled=False):
-            y, ctx.qxt, ctx.qwt = _fprop(state, x.reshape(-1, K), weight, bias,
-                                         grad_enabled and ctx.needs_input_grad[0],
-                                         grad_enabled and ctx.needs_input_grad[1])
+        need_dgrad, need_wgrad = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
+        x2d = x.reshape(-1, K)
+        ctx.flat = _graph_stream(state, x2d) is not None
+        if ctx.flat:  # plain tensors in and out: replayed from a CUDA graph (nvfp4lab.cuda_graphs)
+            y, *ctx.saved = _run_fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
+        else:
+            with torch.autocast(device_type=x.device.type, enabled=False):
+                y, ctx.qxt, ctx.qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
         return y.reshape(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):  # type: ignore[override]
         K = ctx.x_shape[-1]
-        with torch.autocast(device_type=grad_out.device.type, enabled=False):
-            dx, dw, db = _bprop(ctx.state, grad_out.reshape(-1, grad_out.shape[-1]), ctx.qxt, ctx.qwt, K,
-                                ctx.x_dtype, ctx.w_dtype, ctx.bias_dtype, *ctx.needs_input_grad[:3])
-        ctx.qwt = ctx.qxt = None
+        dy = grad_out.reshape(-1, grad_out.shape[-1])
+        need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
+        if ctx.flat:
+            dx, dw, db = _run_bprop(ctx.state, dy, *ctx.saved, K, ctx.x_dtype, ctx.w_dtype,
+                                    ctx.bias_dtype or ctx.w_dtype, need_dgrad, need_wgrad, need_dbias)
+            ctx.saved = None
+            dx, dw, db = (dx if need_dgrad else None), (dw if need_wgrad else None), (db if need_dbias else None)
+        else:
+            with torch.autocast(device_type=grad_out.device.type, enabled=False):
+                dx, dw, db = _bprop(ctx.state, dy, ctx.qxt, ctx.qwt, K, ctx.x_dtype, ctx.w_dtype, ctx.bias_dtype,
+                                    need_dgrad, need_wgrad, need_dbias)
+            ctx.qwt = ctx.qxt = None
         return (None if dx is None else dx.reshape(ctx.x_shape)), dw, db, None, None
 
 
@@ -481,12 +502,10 @@ def _saved_meta(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool, ne
     return out
 
 
-@torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
-def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
-                     need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor]:
-    state = _STATES[key]
+def _fprop_flat(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`_fprop` with plain tensors out: Y, then the saved Xᵀ and Wᵀ copies as (codes, scales,
+    amax) each (empty tensors for a copy not needed). What the custom op and the graphs carry."""
     with torch.autocast(device_type=x2d.device.type, enabled=False):
         y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
     meta = _saved_meta(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad, x2d.device)
@@ -497,6 +516,87 @@ def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
         saved += ([q.data, q.scale, q.amax.clone()] if q is not None else
                   [torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in shapes])
     return (y, *saved)
+
+
+def _bprop_flat(state: _LayerState, dy: torch.Tensor, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax,
+                K: int, x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype, need_dgrad: bool,
+                need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_bprop` from :func:`_fprop_flat`'s saved tensors: (dX, dW, db), empty where not needed."""
+    M, N = dy.shape
+    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+    qxt = _unflat(state, xt_data, xt_scale, xt_amax, "input_columnwise", (kx, mx), x_dtype)
+    qwt = _unflat(state, wt_data, wt_scale, wt_amax, "weight_columnwise", (kw, nw), w_dtype)
+    with torch.autocast(device_type=dy.device.type, enabled=False):
+        dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias)
+    empty = lambda dtype: torch.empty(0, dtype=dtype, device=dy.device)  # noqa: E731
+    return (dx if dx is not None else empty(x_dtype), dw if dw is not None else empty(w_dtype),
+            db if db is not None else empty(bias_dtype))
+
+
+#: The CUDA graphs of eager layer calls (``KernelOptions.layer_graphs``), shared by layers whose
+#: recipe and shapes agree; ``LAYER_GRAPHS.clear()`` frees them.
+LAYER_GRAPHS = GraphedCalls()
+
+
+def _graph_stream(state: _LayerState, x2d: torch.Tensor) -> SRStream | None:
+    """The SR stream a graph of this layer call would advance, or None where the call must run
+    directly: off the GPU, graphs off, inside someone's capture, a quantizer other than the
+    default or kernels that do not cover the recipe, a precision switch, a ``torch.Generator``
+    (its offset lives on the host), or GEMM operands being recorded."""
+    if not (x2d.is_cuda and x2d.shape[0] > 0 and kernels.options().layer_graphs) or _OBSERVERS \
+            or state.high_precision or type(state.quantizer) is not NVFP4GemmQuantizer \
+            or torch.cuda.is_current_stream_capturing():
+        return None
+    gen = state.sr_generator(x2d.device)
+    return gen if isinstance(gen, SRStream) else None
+
+
+def _covered(state: _LayerState, x2d: torch.Tensor, row: str, col: str, need_col: bool) -> bool:
+    """Whether the kernels quantize this operand's pair (else the layer looks for NaN on the host,
+    which no graph can hold)."""
+    opts = state.recipe.quantize_options
+    return pair_uses_kernels(x2d, opts(row), opts(col) if need_col else None)
+
+
+def _drawing_from(state: _LayerState, streams: tuple) -> _LayerState:
+    """``state`` with its SR draws taken from ``streams[0]`` (a graph's private twin of its stream)."""
+    if state.sr_generator(streams[0].device) is streams[0]:
+        return state
+    return replace(state, generator=streams[0], _streams={})
+
+
+def _run_fprop(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`_fprop_flat`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
+    stream = _graph_stream(state, x2d)
+    if stream is None:
+        return _fprop_flat(state, x2d, weight, bias, need_dgrad, need_wgrad)
+    opts = kernels.options()
+    return LAYER_GRAPHS(lambda x, w, b, streams: _fprop_flat(_drawing_from(state, streams), x, w, b, need_dgrad,
+                                                             need_wgrad),
+                        ("fprop", state.recipe, id(opts), need_dgrad, need_wgrad), (x2d, weight, bias),
+                        streams=(stream,), keep=(opts,),
+                        eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
+                        and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
+
+
+def _run_bprop(state: _LayerState, dy, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_bprop_flat`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
+    saved, rest = args[:6], args[6:]
+    stream = _graph_stream(state, dy)
+    if stream is None or not (rest[4] or rest[5]):
+        return _bprop_flat(state, dy, *saved, *rest)
+    opts = kernels.options()
+    return LAYER_GRAPHS(lambda g, *t, streams: _bprop_flat(_drawing_from(state, streams), g, *t, *rest),
+                        ("bprop", state.recipe, id(opts), *rest), (dy, *saved), streams=(stream,), keep=(opts,),
+                        eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", rest[5]))
+
+
+@torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
+def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
+                     need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                  torch.Tensor]:
+    return _run_fprop(_STATES[key], x2d, weight, bias, need_dgrad, need_wgrad)
 
 
 @_linear_fprop_op.register_fake
@@ -523,16 +623,8 @@ def _linear_bprop_op(dy: torch.Tensor, xt_data: torch.Tensor, xt_scale: torch.Te
                      wt_data: torch.Tensor, wt_scale: torch.Tensor, wt_amax: torch.Tensor, key: int, K: int,
                      x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype, need_dgrad: bool,
                      need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    state = _STATES[key]
-    M, N = dy.shape
-    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
-    qxt = _unflat(state, xt_data, xt_scale, xt_amax, "input_columnwise", (kx, mx), x_dtype)
-    qwt = _unflat(state, wt_data, wt_scale, wt_amax, "weight_columnwise", (kw, nw), w_dtype)
-    with torch.autocast(device_type=dy.device.type, enabled=False):
-        dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias)
-    empty = lambda dtype: torch.empty(0, dtype=dtype, device=dy.device)  # noqa: E731
-    return (dx if dx is not None else empty(x_dtype), dw if dw is not None else empty(w_dtype),
-            db if db is not None else empty(bias_dtype))
+    return _run_bprop(_STATES[key], dy, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax, K, x_dtype, w_dtype,
+                      bias_dtype, need_dgrad, need_wgrad, need_dbias)
 
 
 @_linear_bprop_op.register_fake

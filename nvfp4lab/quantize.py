@@ -71,6 +71,7 @@ __all__ = [
     "quantize",
     "quantize_rowwise_columnwise",
     "uses_kernels",
+    "pair_uses_kernels",
     "fake_quantize",
     "nvfp4_matmul",
     "global_encode_scale",
@@ -717,6 +718,32 @@ def _quantize_options_reference(x2: torch.Tensor, block: str, four_over_six: boo
     return pack_fp4(codes[:M, : _ceil_to(K, 2)]), scale, amax_t
 
 
+def pair_uses_kernels(x: torch.Tensor, row: dict, col: dict | None) -> bool:
+    """Whether :func:`quantize_rowwise_columnwise` ``(x, row, col)`` runs the Triton kernels alone
+    (with ``col=None``: :func:`uses_kernels` of the rowwise options); else :func:`quantize` makes
+    each copy (which looks for NaN on the host unless told not to).
+
+    The kernels cover a pair whose copies share ``block`` and ``rounding``, with the RHT on the
+    columnwise copy only, no ``amax`` given, no 4over6 or row scaling, and what
+    :func:`nvfp4lab.kernels.covers_rowwise_columnwise` asks of ``x`` (``M % 16 == 0`` with the RHT).
+
+    Raises:
+        ValueError: invalid ``block`` / ``rounding`` options (as :func:`quantize`).
+    """
+    if col is None:
+        return uses_kernels(x, **row)
+    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
+    col_rht = bool(col.get("rht", False))
+    extra = any(opts.get(k) for opts in (row, col) for k in ("four_over_six", "row_scaled"))
+    if (row.get("rht", False) or (col.get("block", "1d"), col.get("rounding", "nearest")) != (block, rounding)
+            or row.get("amax") is not None or col.get("amax") is not None or x.dim() < 2 or extra):
+        return False
+    _check_options(x, block, rounding, False)
+    mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
+    return kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask,
+                                             four_over_six=False, row_scaled=False)
+
+
 def quantize_rowwise_columnwise(
     x: torch.Tensor,
     row: dict,
@@ -756,26 +783,18 @@ def quantize_rowwise_columnwise(
     Raises:
         What :func:`quantize` raises, for either copy.
     """
-    row_rht = bool(row.get("rht", False))
     if col is None:
         if fallback or uses_kernels(x, **row):
             return quantize(x, generator=generator, **row), None
         return None
-    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
-    col_rht = bool(col.get("rht", False))
-    mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
-    extra = any(opts.get(k) for opts in (row, col) for k in ("four_over_six", "row_scaled"))
-    fast = (not row_rht and (col.get("block", "1d"), col.get("rounding", "nearest")) == (block, rounding)
-            and row.get("amax") is None and col.get("amax") is None and x.dim() >= 2 and not extra)
-    if fast:
-        _check_options(x, block, rounding, False)
-        fast = kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask,
-                                                 four_over_six=False, row_scaled=False)
-    if not fast:
+    if not pair_uses_kernels(x, row, col):
         if not fallback:
             return None
         x2d = x.reshape(-1, x.shape[-1])
         return quantize(x, generator=generator, **row), quantize(x2d.t(), generator=generator, **col)
+    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
+    col_rht = bool(col.get("rht", False))
+    mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
         generator=generator, values=(bool(values[0]), bool(values[1])))

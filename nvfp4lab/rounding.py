@@ -112,6 +112,18 @@ class SRStream:
         self._buf.copy_(torch.cat([state, keys]))
         return self
 
+    def copy_(self, other: "SRStream") -> "SRStream":
+        """Take ``other``'s state (seed and counter) in place, by one device copy (capturable);
+        returns ``self``.
+
+        Raises:
+            ValueError: ``other`` is not an :class:`SRStream` on this stream's device.
+        """
+        if not isinstance(other, SRStream) or other.device != self.device:
+            raise ValueError(f"SRStream.copy_ needs an SRStream on {self.device}, got {other!r}")
+        self._buf.copy_(other._buf)
+        return self
+
     def to(self, device: torch.device | str) -> "SRStream":
         """A stream on ``device`` continuing from this one's state (this one is not advanced)."""
         other = SRStream(0, device)

@@ -80,9 +80,14 @@ def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, repeat: int =
     return median_ms(fn, device, iters=repeat, warmup=1)
 
 
-def capture(fn: Callable[[], Any], *, warmup: int = 3,
-            generators: Sequence[torch.Generator] = ()) -> tuple["torch.cuda.CUDAGraph", Any]:
+def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torch.Generator] = (),
+            pool: Any = None, stream: "torch.cuda.Stream | None" = None,
+            capture_error_mode: str = "global") -> tuple["torch.cuda.CUDAGraph", Any]:
     """``fn`` warmed up ``warmup`` times on a side stream, then captured once in a CUDA graph.
+
+    ``pool``, ``stream`` and ``capture_error_mode`` are passed to ``torch.cuda.graph`` (a memory
+    pool shared with other graphs; the stream to capture on; ``"thread_local"`` lets other
+    threads use CUDA during the capture).
 
     Returns:
         ``(graph, outputs)``: ``graph.replay()`` reruns the captured work, writing into the
@@ -101,7 +106,7 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3,
     graph = torch.cuda.CUDAGraph()
     for gen in generators:
         graph.register_generator_state(gen)
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
         out = fn()
     return graph, out
 

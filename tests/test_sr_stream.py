@@ -52,3 +52,22 @@ def test_layer_default_stream_replays_every_sr_operand():
     assert len(sr) == 2 and all(o.rng_state.dtype == torch.int64 for o in sr)
     for o in ops:
         assert_nvfp4_equal(o.tensor, quantize(o.source, generator=o.rng(), **o.options))
+
+
+def test_copy_takes_the_state_and_refuses_other_objects():
+    a, b = SRStream(5), SRStream(9)
+    a.seeds()
+    b.copy_(a)
+    assert torch.equal(b.get_state(), a.get_state())
+    assert torch.equal(b.seeds(), a.seeds())      # then they draw the same keys
+    with pytest.raises(ValueError, match="SRStream.copy_"):
+        b.copy_(torch.zeros(2, dtype=torch.int64))
+
+
+def test_graphed_calls_validates_its_limits():
+    from nvfp4lab.cuda_graphs import GraphedCalls
+
+    with pytest.raises(ValueError, match="max_entries"):
+        GraphedCalls(max_entries=0)
+    with pytest.raises(ValueError, match="capture_after"):
+        GraphedCalls(capture_after=0)

@@ -109,6 +109,10 @@ class KernelOptions:
         e2m1_bits: E2M1 encode by float32 bit arithmetic (True) or by the 7 thresholds of TE's
             reference (False); identical codes.
         config: tile shapes and warps per kernel mode (read-only mappings).
+        layer_graphs: replay an eager :class:`~nvfp4lab.linear.NVFP4Linear` forward and backward
+            from CUDA graphs captured per shape (:mod:`nvfp4lab.cuda_graphs`: bit-identical, one
+            copy of inputs and outputs more, the launch overhead of ~20 kernels gone); False: the
+            kernels launched one by one.
         interpret_on_cpu: in Triton's interpreter (``TRITON_INTERPRET=1``), run the kernels on CPU
             tensors. Off by default: the interpreter is numpy, far slower than the PyTorch
             reference; the CPU tests of the kernels turn it on.
@@ -121,6 +125,7 @@ class KernelOptions:
     cublas_alpha: bool = True
     e2m1_bits: bool = True
     interpret_on_cpu: bool = False
+    layer_graphs: bool = True
     config: Mapping[str, Mapping[str, int]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({k: MappingProxyType(dict(v)) for k, v in _DEFAULT_CONFIG.items()}))
 

@@ -18,7 +18,7 @@ import torch.nn as nn
 
 from ..data import ByteTokenizer, get_batch, load_corpus, shard_rows, split_tokens, validation_batches
 from ..fp8_recipes import DELAYED_SCALING_BUFFERS
-from ..linear import block_recipe_for, convert_model, layer_precisions, set_high_precision_scope
+from ..linear import LAYER_GRAPHS, block_recipe_for, convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
 from ..health import HEALTH_NAME, health_pass
 from ..precisions import canonical_name
@@ -213,6 +213,7 @@ def _train_session(cfg: TrainConfig, segments: list[dict[str, Any]]) -> RunResul
     try:
         return _train(cfg, ctx, segments)
     finally:
+        LAYER_GRAPHS.clear()   # the layers' CUDA graphs hold buffers of this session's shapes
         distributed.teardown(ctx)
 
 

@@ -95,3 +95,76 @@ def test_nvfp4linear_forward_backward_captured_by_the_user(recipe):
         g.replay()
         for a, b in zip(static, step(twin)):
             assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------- the layer's own graphs (eager)
+from nvfp4lab import kernels  # noqa: E402
+from nvfp4lab.cuda_graphs import GraphedCalls  # noqa: E402
+from nvfp4lab.linear import LAYER_GRAPHS  # noqa: E402
+
+
+def _layer_steps(layer, xs, gys):
+    out = []
+    for x, gy in zip(xs, gys):
+        layer.weight.grad = layer.bias.grad = None
+        x = x.detach().clone().requires_grad_()
+        with torch.autocast("cuda", dtype=torch.bfloat16):   # FP32 master weights, BF16 activations
+            y = layer(x)
+        y.backward(gy)
+        out.append([y.detach(), x.grad, layer.weight.grad, layer.bias.grad])
+    return out
+
+
+@pytest.mark.parametrize("tokens", [512, 500], ids=["M%16=0", "M%16!=0"])
+@pytest.mark.parametrize("recipe", [NVFP4Recipe(), NVFP4Recipe(disable_rht=True, disable_2d_quantization=True),
+                                    NVFP4Recipe(disable_stochastic_rounding=True)], ids=["paper", "no-rht-1d", "rne"])
+def test_eager_layer_graphs_equal_the_kernels_launched_one_by_one(recipe, tokens):
+    """Eager steps replayed from the layer's graphs (the default) give the bits of the same steps
+    with ``layer_graphs=False``, and leave the SR streams in the same state. Two layers of one
+    shape with different streams share the graphs and still draw each from its own stream. With
+    the RHT and a token count the kernels do not cover (M % 16 != 0) the layer runs directly."""
+    LAYER_GRAPHS.clear()
+    torch.manual_seed(0)
+    layers = [NVFP4Linear(1024, 768, device=DEV, dtype=torch.float32, recipe=recipe, seed=s) for s in (3, 4)]
+    twins = [NVFP4Linear(1024, 768, device=DEV, dtype=torch.float32, recipe=recipe, seed=s) for s in (3, 4)]
+    for a, b in zip(layers, twins):
+        b.load_state_dict(a.state_dict())
+    xs = [_x((3, tokens, 1024), 10 + i) for i in range(4)]
+    gys = [_x((3, tokens, 768), 20 + i) for i in range(4)]
+    got = [_layer_steps(m, xs, gys) for m in layers]
+    graphed = recipe.disable_rht or (3 * tokens) % 16 == 0
+    assert len(LAYER_GRAPHS) == (2 if graphed else 0), "one forward and one backward graph, shared by both layers"
+    with kernels.use_options(layer_graphs=False):
+        ref = [_layer_steps(m, xs, gys) for m in twins]
+    for layer_got, layer_ref in zip(got, ref):
+        for step_got, step_ref in zip(layer_got, layer_ref):
+            for a, b in zip(step_got, step_ref):
+                assert torch.equal(a, b)
+    for a, b in zip(layers, twins):
+        assert torch.equal(a.sr_streams()[0].get_state(), b.sr_streams()[0].get_state())
+
+
+def test_graphed_calls_fall_back_on_a_host_sync_and_when_full():
+    calls = GraphedCalls(max_entries=1)
+    x = _x((64, 64), 1)
+
+    def syncing(t, streams):
+        return (t * float(t.abs().max()),)    # a host read: cannot be captured
+
+    with pytest.warns(RuntimeWarning, match="could not be captured"):
+        for _ in range(3):
+            assert torch.equal(calls(syncing, "s", (x,))[0], syncing(x, ())[0])
+    assert len(calls) == 0
+
+    runs = []
+
+    def pure(t, streams):
+        runs.append(1)                        # the Python body runs on direct calls, warm-up and capture
+        return (t * 2 + 1,)
+
+    keys = ("a", "a", "a", "b", "b", "a", "a", "a")
+    for key in keys:                          # "a" dropped for "b": then direct, never recaptured
+        assert torch.equal(calls(pure, key, (x,))[0], x * 2 + 1)
+    # a: direct, captured (warm-up + capture), replayed; b: direct, captured; a: direct x3
+    assert len(runs) == 1 + 2 + 0 + 1 + 2 + 1 + 1 + 1
+    assert len(calls) == 1
