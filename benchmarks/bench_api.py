@@ -133,7 +133,8 @@ def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]
                                             out=f"{tmp}/{mode}-{precision}", progress=False, plot=False,
                                             eval_interval=steps, checkpoint_interval=0, **extra))
                 tps[precision] = {"tokens_per_s": res.tokens_per_s, "warmup_time_s": res.to_dict().get("warmup_time_s"),
-                                  "final_val_loss": res.final_val_loss}
+                                  "final_val_loss": res.final_val_loss, "peak_memory_bytes": res.peak_memory_bytes,
+                                  "peak_memory_kind": res.peak_memory_kind}
                 _log(mode, precision, tps[precision])
             rows.append({"mode": mode, "preset": preset, "steps": steps, **tps,
                          "nvfp4_vs_bf16": tps["nvfp4"]["tokens_per_s"] / tps["bf16"]["tokens_per_s"]})

@@ -54,7 +54,9 @@ class GraphedCalls:
     Args:
         max_entries: graphs kept (least recently used dropped first, with their static buffers;
             a signature dropped once then runs directly, so that a working set larger than the
-            cache never captures on every call).
+            cache never captures on every call). After ``2 * max_entries`` captures no new
+            signature is captured (shapes that keep changing would pay a capture each), with a
+            ``RuntimeWarning``; :meth:`clear` starts again.
         capture_after: calls of a signature run directly before it is captured (>= 1: the first
             call compiles the kernels outside any capture).
 
@@ -70,6 +72,7 @@ class GraphedCalls:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
+        self._captures = 0
         self._pools: dict[tuple[int, int], Any] = {}
         self._lock = threading.RLock()
 
@@ -83,6 +86,7 @@ class GraphedCalls:
             self._calls.clear()
             self._direct.clear()
             self._pools.clear()
+            self._captures = 0
 
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
@@ -123,6 +127,14 @@ class GraphedCalls:
                 n = self._calls.get(sig, 0)
                 if n == 0 and eligible is not None and sig not in self._direct and not eligible():
                     self._direct.add(sig)
+                if n >= self.capture_after and sig not in self._direct and self._captures >= 2 * self.max_entries:
+                    self._direct.add(sig)
+                    if self._captures == 2 * self.max_entries:
+                        self._captures += 1     # warn once
+                        warnings.warn(f"nvfp4lab: {2 * self.max_entries} CUDA graphs captured, more than the "
+                                      f"{self.max_entries} kept: new call signatures (shapes) now run without "
+                                      "one; keep shapes fixed (pad), or clear() the cache", RuntimeWarning,
+                                      stacklevel=2)
                 if sig in self._direct or n < self.capture_after:
                     if len(self._calls) > 16 * self.max_entries:
                         self._calls.clear()
@@ -168,6 +180,7 @@ class GraphedCalls:
         # the warm-up call advanced the twins of the streams fn draws from (the capture ran nothing):
         # only those need their state carried in and out on replay
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
+        self._captures += 1
         entry = _Entry(graph, inputs, tuple(outputs), used, tuple(keep))
         self._entries[sig] = entry
         while len(self._entries) > self.max_entries:

@@ -39,12 +39,13 @@ the fused path (the Triton kernels, see :class:`GemmQuantizer`) no scan is made:
 the per-tensor amax NaN and so every GEMM output using that operand (a NaN in X gives a NaN Y
 and dW; dX stays what dY and W make it).
 
-Speed. Called eagerly on a GPU, the forward and the backward are each replayed from a CUDA graph
-captured per shape (:mod:`nvfp4lab.cuda_graphs`, :data:`LAYER_GRAPHS`; off with
+Speed. Called eagerly on a GPU for training, the forward and the backward are each replayed from
+a CUDA graph captured per shape (:mod:`nvfp4lab.cuda_graphs`, :data:`LAYER_GRAPHS`; off with
 ``kernels.use_options(layer_graphs=False)``): bit-identical to launching the kernels one by one,
-without their launch overhead. Inside someone else's capture, under ``torch.compile``'s tracing,
-with a ``torch.Generator``, another quantizer, a precision switch or recorded operands, the
-kernels are launched directly.
+without their launch overhead; under ``torch.compile`` the custom ops replay the same graphs. The
+kernels are launched directly without gradients (inference, whose shapes vary), inside someone
+else's capture, with a ``torch.Generator``, another quantizer, a precision switch or recorded
+operands.
 
 Instrumentation. :func:`capture_gemm_operands` records every quantized GEMM operand with the
 options and the SR generator state used, so tests can check them bit for bit against
@@ -568,7 +569,7 @@ def _drawing_from(state: _LayerState, streams: tuple) -> _LayerState:
 def _run_fprop(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, ...]:
     """:func:`_fprop_flat`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
     stream = _graph_stream(state, x2d)
-    if stream is None:
+    if stream is None or not (need_dgrad or need_wgrad):   # inference: shapes vary, launches are fewer
         return _fprop_flat(state, x2d, weight, bias, need_dgrad, need_wgrad)
     opts = kernels.options()
     return LAYER_GRAPHS(lambda x, w, b, streams: _fprop_flat(_drawing_from(state, streams), x, w, b, need_dgrad,

@@ -168,3 +168,7 @@ def test_graphed_calls_fall_back_on_a_host_sync_and_when_full():
     # a: direct, captured (warm-up + capture), replayed; b: direct, captured; a: direct x3
     assert len(runs) == 1 + 2 + 0 + 1 + 2 + 1 + 1 + 1
     assert len(calls) == 1
+    with pytest.warns(RuntimeWarning, match="CUDA graphs captured"):   # 2 x max_entries captures made
+        for _ in range(3):
+            assert torch.equal(calls(pure, "c", (x,))[0], x * 2 + 1)
+    assert len(runs) == 9 + 3                 # "c" always direct
