@@ -55,6 +55,7 @@ options and the SR generator state used, so tests can check them bit for bit aga
 from __future__ import annotations
 
 import contextlib
+import math
 import weakref
 from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterator, Protocol
@@ -459,7 +460,8 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         x2d = x.reshape(-1, K)
         ctx.flat = _graph_stream(state, x2d) is not None
         if ctx.flat:  # plain tensors in and out: replayed from a CUDA graph (nvfp4lab.cuda_graphs)
-            y, *ctx.saved = _run_fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
+            y, ctx.saved = _run_fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
+            ctx.saved_for = (need_dgrad, need_wgrad)
         else:
             with torch.autocast(device_type=x.device.type, enabled=False):
                 y, ctx.qxt, ctx.qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
@@ -471,8 +473,8 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
         if ctx.flat:
-            dx, dw, db = _run_bprop(ctx.state, dy, *ctx.saved, K, ctx.x_dtype, ctx.w_dtype,
-                                    ctx.bias_dtype or ctx.w_dtype, need_dgrad, need_wgrad, need_dbias)
+            dx, dw, db = _run_bprop(ctx.state, dy, ctx.saved, K, ctx.x_dtype, ctx.w_dtype, ctx.bias_dtype or ctx.w_dtype,
+                                    *ctx.saved_for, need_dgrad, need_wgrad, need_dbias)
             ctx.saved = None
             dx, dw, db = (dx if need_dgrad else None), (dw if need_wgrad else None), (db if need_dbias else None)
         else:
@@ -486,8 +488,9 @@ class _NVFP4LinearFunction(torch.autograd.Function):
 # ----------------------------------------------------------------------------- torch.compile
 # Under torch.compile the layer is two custom ops, opaque to Dynamo (no graph break, no tracing
 # into the Triton kernels) and running _fprop / _bprop: the eager numerics. The saved Xᵀ/Wᵀ copies
-# travel as plain tensors (codes, scales, amax); the layer's state (recipe, quantizer, SR stream)
-# is found from an integer key.
+# travel as one uint8 buffer (codes, scales, amax of each, at fixed offsets: one tensor to save, to
+# copy out of a graph and into the next); the layer's state (recipe, quantizer, SR stream) is found
+# from an integer key.
 def _saved_meta(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool, need_wgrad: bool, device):
     """(shape, dtype) of the six saved tensors: Xᵀ codes, scales, amax, then Wᵀ's (empty when not needed)."""
     (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
@@ -503,30 +506,51 @@ def _saved_meta(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool, ne
     return out
 
 
-def _fprop_flat(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, ...]:
-    """:func:`_fprop` with plain tensors out: Y, then the saved Xᵀ and Wᵀ copies as (codes, scales,
-    amax) each (empty tensors for a copy not needed). What the custom op and the graphs carry."""
+_PACK_ALIGN = 256   # bytes: each saved tensor starts at an aligned offset of the buffer
+
+
+def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
+                  need_wgrad: bool) -> tuple[tuple[tuple[int, tuple, torch.dtype], ...], int]:
+    """((byte offset, shape, dtype) of each of the six saved tensors, buffer size in bytes)."""
+    layout, off = [], 0
+    for shape, dtype in _saved_meta(state, M, K, N, need_dgrad, need_wgrad, None):
+        layout.append((off, shape, dtype))
+        off += -(-math.prod(shape) * dtype.itemsize // _PACK_ALIGN) * _PACK_ALIGN
+    return tuple(layout), off
+
+
+def _in_buffer(buf: torch.Tensor, off: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
+    """The tensor of ``shape`` and ``dtype`` at byte ``off`` of the uint8 buffer (a view)."""
+    return buf[off:off + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+
+
+def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`_fprop` with plain tensors out: Y and one uint8 buffer holding the saved Xᵀ and Wᵀ
+    copies (:func:`_saved_layout`; a copy not needed takes no bytes). What the custom op and the
+    graphs carry."""
     with torch.autocast(device_type=x2d.device.type, enabled=False):
         y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
-    meta = _saved_meta(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad, x2d.device)
-    saved = []
-    for q, shapes in ((qxt, meta[:3]), (qwt, meta[3:])):
-        # the amaxes are views into one small buffer of the kernels: a custom op's outputs must
-        # neither alias each other nor be offset views (Inductor checks alignment), so clone them
-        saved += ([q.data, q.scale, q.amax.clone()] if q is not None else
-                  [torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in shapes])
-    return (y, *saved)
+    layout, size = _saved_layout(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad)
+    saved = torch.zeros(size, dtype=torch.uint8, device=x2d.device)   # padding bytes defined: reproducible
+    parts = [t for q in (qxt, qwt) for t in ((q.data, q.scale, q.amax) if q is not None else (None,) * 3)]
+    for t, (off, shape, dtype) in zip(parts, layout):
+        if t is not None and t.numel():
+            _in_buffer(saved, off, shape, dtype).copy_(t)
+    return y, saved
 
 
-def _bprop_flat(state: _LayerState, dy: torch.Tensor, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax,
-                K: int, x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype, need_dgrad: bool,
-                need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_bprop` from :func:`_fprop_flat`'s saved tensors: (dX, dW, db), empty where not needed."""
+def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: int, x_dtype: torch.dtype,
+                  w_dtype: torch.dtype, bias_dtype: torch.dtype, saved_dgrad: bool, saved_wgrad: bool,
+                  need_dgrad: bool, need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_bprop` from :func:`_fprop_packed`'s buffer (``saved_dgrad`` / ``saved_wgrad``: the
+    forward's flags, which say what it holds): (dX, dW, db), empty where not needed."""
     M, N = dy.shape
+    layout, _ = _saved_layout(state, M, K, N, saved_dgrad, saved_wgrad)
+    parts = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
     (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
-    qxt = _unflat(state, xt_data, xt_scale, xt_amax, "input_columnwise", (kx, mx), x_dtype)
-    qwt = _unflat(state, wt_data, wt_scale, wt_amax, "weight_columnwise", (kw, nw), w_dtype)
+    qxt = _unflat(state, *parts[:3], "input_columnwise", (kx, mx), x_dtype)
+    qwt = _unflat(state, *parts[3:], "weight_columnwise", (kw, nw), w_dtype)
     with torch.autocast(device_type=dy.device.type, enabled=False):
         dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias)
     empty = lambda dtype: torch.empty(0, dtype=dtype, device=dy.device)  # noqa: E731
@@ -542,11 +566,12 @@ LAYER_GRAPHS = GraphedCalls()
 def _graph_stream(state: _LayerState, x2d: torch.Tensor) -> SRStream | None:
     """The SR stream a graph of this layer call would advance, or None where the call must run
     directly: off the GPU, graphs off, inside someone's capture, a quantizer other than the
-    default or kernels that do not cover the recipe, a precision switch, a ``torch.Generator``
-    (its offset lives on the host), or GEMM operands being recorded."""
+    default, a precision switch, a ``torch.Generator``
+    (its offset lives on the host), GEMM operands being recorded, or a tensor on another GPU than
+    the current one (whose stream a replay would use)."""
     if not (x2d.is_cuda and x2d.shape[0] > 0 and kernels.options().layer_graphs) or _OBSERVERS \
             or state.high_precision or type(state.quantizer) is not NVFP4GemmQuantizer \
-            or torch.cuda.is_current_stream_capturing():
+            or x2d.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing():
         return None
     gen = state.sr_generator(x2d.device)
     return gen if isinstance(gen, SRStream) else None
@@ -567,45 +592,42 @@ def _drawing_from(state: _LayerState, streams: tuple) -> _LayerState:
 
 
 def _run_fprop(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, ...]:
-    """:func:`_fprop_flat`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
+    """:func:`_fprop_packed`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
     stream = _graph_stream(state, x2d)
     if stream is None or not (need_dgrad or need_wgrad):   # inference: shapes vary, launches are fewer
-        return _fprop_flat(state, x2d, weight, bias, need_dgrad, need_wgrad)
+        return _fprop_packed(state, x2d, weight, bias, need_dgrad, need_wgrad)
     opts = kernels.options()
-    return LAYER_GRAPHS(lambda x, w, b, streams: _fprop_flat(_drawing_from(state, streams), x, w, b, need_dgrad,
-                                                             need_wgrad),
+    return LAYER_GRAPHS(lambda x, w, b, streams: _fprop_packed(_drawing_from(state, streams), x, w, b, need_dgrad,
+                                                               need_wgrad),
                         ("fprop", state.recipe, id(opts), need_dgrad, need_wgrad), (x2d, weight, bias),
                         streams=(stream,), keep=(opts,),
                         eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
                         and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
 
 
-def _run_bprop(state: _LayerState, dy, *args) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """:func:`_bprop_flat`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
-    saved, rest = args[:6], args[6:]
+def _run_bprop(state: _LayerState, dy, saved, *rest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`_bprop_packed` (``rest``: its arguments after ``saved``), from a CUDA graph where
+    :func:`_graph_stream` allows (bit-identical)."""
+    need_dgrad, need_wgrad = rest[6], rest[7]
     stream = _graph_stream(state, dy)
-    if stream is None or not (rest[4] or rest[5]):
-        return _bprop_flat(state, dy, *saved, *rest)
+    if stream is None or not (need_dgrad or need_wgrad):
+        return _bprop_packed(state, dy, saved, *rest)
     opts = kernels.options()
-    return LAYER_GRAPHS(lambda g, *t, streams: _bprop_flat(_drawing_from(state, streams), g, *t, *rest),
-                        ("bprop", state.recipe, id(opts), *rest), (dy, *saved), streams=(stream,), keep=(opts,),
-                        eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", rest[5]))
+    return LAYER_GRAPHS(lambda g, buf, streams: _bprop_packed(_drawing_from(state, streams), g, buf, *rest),
+                        ("bprop", state.recipe, id(opts), *rest), (dy, saved), streams=(stream,), keep=(opts,),
+                        eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))
 
 
 @torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
 def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
-                     need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                  torch.Tensor]:
+                     need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     return _run_fprop(_STATES[key], x2d, weight, bias, need_dgrad, need_wgrad)
 
 
 @_linear_fprop_op.register_fake
 def _(x2d, weight, bias, key, need_dgrad, need_wgrad):
-    state = _STATES[key]
-    meta = _saved_meta(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad, x2d.device)
-    return (x2d.new_empty((x2d.shape[0], weight.shape[0])),
-            *(torch.empty(shape, dtype=dtype, device=x2d.device) for shape, dtype in meta))
+    _, size = _saved_layout(_STATES[key], x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad)
+    return x2d.new_empty((x2d.shape[0], weight.shape[0])), torch.empty(size, dtype=torch.uint8, device=x2d.device)
 
 
 def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> NVFP4Tensor | None:
@@ -620,17 +642,15 @@ def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> N
 
 
 @torch.library.custom_op("nvfp4lab::linear_bprop", mutates_args=())
-def _linear_bprop_op(dy: torch.Tensor, xt_data: torch.Tensor, xt_scale: torch.Tensor, xt_amax: torch.Tensor,
-                     wt_data: torch.Tensor, wt_scale: torch.Tensor, wt_amax: torch.Tensor, key: int, K: int,
-                     x_dtype: torch.dtype, w_dtype: torch.dtype, bias_dtype: torch.dtype, need_dgrad: bool,
-                     need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_bprop(_STATES[key], dy, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax, K, x_dtype, w_dtype,
-                      bias_dtype, need_dgrad, need_wgrad, need_dbias)
+def _linear_bprop_op(dy: torch.Tensor, saved: torch.Tensor, key: int, K: int, x_dtype: torch.dtype,
+                     w_dtype: torch.dtype, bias_dtype: torch.dtype, saved_dgrad: bool, saved_wgrad: bool,
+                     need_dgrad: bool, need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    return _run_bprop(_STATES[key], dy, saved, K, x_dtype, w_dtype, bias_dtype, saved_dgrad, saved_wgrad,
+                      need_dgrad, need_wgrad, need_dbias)
 
 
 @_linear_bprop_op.register_fake
-def _(dy, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax, key, K, x_dtype, w_dtype, bias_dtype,
-      need_dgrad, need_wgrad, need_dbias):
+def _(dy, saved, key, K, x_dtype, w_dtype, bias_dtype, saved_dgrad, saved_wgrad, need_dgrad, need_wgrad, need_dbias):
     M, N = dy.shape
     dev = dy.device
     return (torch.empty((M, K) if need_dgrad else (0,), dtype=x_dtype, device=dev),
@@ -640,14 +660,14 @@ def _(dy, xt_data, xt_scale, xt_amax, wt_data, wt_scale, wt_amax, key, K, x_dtyp
 
 def _fprop_setup_context(ctx, inputs, output):
     x2d, weight, bias, key, need_dgrad, need_wgrad = inputs
-    ctx.save_for_backward(*output[1:])
-    ctx.key, ctx.K = key, x2d.shape[1]
+    ctx.save_for_backward(output[1])
+    ctx.key, ctx.K, ctx.saved_for = key, x2d.shape[1], (need_dgrad, need_wgrad)
     ctx.dtypes = (x2d.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
 
 
 def _fprop_backward(ctx, gy, *_saved_grads):
     need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.nvfp4lab.linear_bprop(gy, *ctx.saved_tensors, ctx.key, ctx.K, *ctx.dtypes,
+    dx, dw, db = torch.ops.nvfp4lab.linear_bprop(gy, *ctx.saved_tensors, ctx.key, ctx.K, *ctx.dtypes, *ctx.saved_for,
                                                  need_dgrad, need_wgrad, need_dbias)
     return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_dbias else None, None, None, None)
 

@@ -47,22 +47,20 @@ def test_no_graph_break_in_an_nvfp4_gpt():
 
 
 def test_custom_ops_registration_opcheck():
-    """torch.library.opcheck: fake (meta) shapes, autograd registration, and AOT dispatch of the
-    backward op. (Its schema check, and AOT dispatch of the forward op, are left out: they multiply
-    or sum every tensor, which PyTorch's CPU float8 tensors — the saved block scales — do not
-    implement; test_compiled_layer_equals_eager_bit_for_bit runs the forward op through AOT.)"""
+    """torch.library.opcheck on both ops (schema, fake shapes, autograd registration, AOT dispatch):
+    the saved copies travel as one uint8 buffer, so no float8 tensor (which PyTorch's CPU ops
+    cannot sum or multiply) crosses an op boundary."""
     torch.manual_seed(0)
     layer = NVFP4Linear(32, 48, recipe=NVFP4Recipe(disable_stochastic_rounding=True))
     x = torch.randn(32, 32, requires_grad=True)
     args = (x, layer.weight, layer.bias, layer._state.key, True, True)
-    torch.library.opcheck(torch.ops.nvfp4lab.linear_fprop.default, args,
-                          test_utils=("test_autograd_registration", "test_faketensor"))
-    saved = torch.ops.nvfp4lab.linear_fprop(*args)[1:]
+    torch.library.opcheck(torch.ops.nvfp4lab.linear_fprop.default, args)
+    y, saved = torch.ops.nvfp4lab.linear_fprop(*args)
+    assert y.shape == (32, 48) and saved.dtype == torch.uint8
     dy = torch.randn(32, 48)
-    bargs = (dy, *[t.detach() for t in saved], layer._state.key, 32, torch.float32, torch.float32, torch.float32,
-             True, True, True)
-    torch.library.opcheck(torch.ops.nvfp4lab.linear_bprop.default, bargs,
-                          test_utils=("test_faketensor", "test_aot_dispatch_dynamic"))
+    bargs = (dy, saved.detach(), layer._state.key, 32, torch.float32, torch.float32, torch.float32,
+             True, True, True, True, True)
+    torch.library.opcheck(torch.ops.nvfp4lab.linear_bprop.default, bargs)
 
 
 def test_state_keys_survive_deepcopy():
