@@ -491,29 +491,25 @@ class _NVFP4LinearFunction(torch.autograd.Function):
 # travel as one uint8 buffer (codes, scales, amax of each, at fixed offsets: one tensor to save, to
 # copy out of a graph and into the next); the layer's state (recipe, quantizer, SR stream) is found
 # from an integer key.
-def _saved_meta(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool, need_wgrad: bool, device):
-    """(shape, dtype) of the six saved tensors: Xᵀ codes, scales, amax, then Wᵀ's (empty when not needed)."""
-    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
-    out = []
-    for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
-                                     (need_dgrad and M > 0, (kw, nw), "weight_columnwise")):
-        if need:
-            srows = -(-rows // 16) if state.recipe.quantize_options(role)["block"] == "2d" else rows
-            out += [((rows, -(-cols // 2)), torch.uint8), ((srows, -(-cols // 16)), torch.float8_e4m3fn),
-                    ((), torch.float32)]
-        else:
-            out += [((0,), torch.uint8), ((0,), torch.float8_e4m3fn), ((0,), torch.float32)]
-    return out
-
-
 _PACK_ALIGN = 256   # bytes: each saved tensor starts at an aligned offset of the buffer
 
 
 def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
                   need_wgrad: bool) -> tuple[tuple[tuple[int, tuple, torch.dtype], ...], int]:
-    """((byte offset, shape, dtype) of each of the six saved tensors, buffer size in bytes)."""
+    """((byte offset, shape, dtype) of each of the six saved tensors — Xᵀ codes, scales, amax, then
+    Wᵀ's, empty when not needed — in one uint8 buffer, the buffer's size in bytes)."""
+    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+    meta = []
+    for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
+                                     (need_dgrad and M > 0, (kw, nw), "weight_columnwise")):
+        if need:
+            srows = -(-rows // 16) if state.recipe.quantize_options(role)["block"] == "2d" else rows
+            meta += [((rows, -(-cols // 2)), torch.uint8), ((srows, -(-cols // 16)), torch.float8_e4m3fn),
+                     ((), torch.float32)]
+        else:
+            meta += [((0,), torch.uint8), ((0,), torch.float8_e4m3fn), ((0,), torch.float32)]
     layout, off = [], 0
-    for shape, dtype in _saved_meta(state, M, K, N, need_dgrad, need_wgrad, None):
+    for shape, dtype in meta:
         layout.append((off, shape, dtype))
         off += -(-math.prod(shape) * dtype.itemsize // _PACK_ALIGN) * _PACK_ALIGN
     return tuple(layout), off
