@@ -458,9 +458,10 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         # needs_input_grad is set even under no_grad: skip the backward copies when not training.
         need_dgrad, need_wgrad = grad_enabled and ctx.needs_input_grad[0], grad_enabled and ctx.needs_input_grad[1]
         x2d = x.reshape(-1, K)
-        ctx.flat = _graph_stream(state, x2d) is not None
+        stream = _graph_stream(state, x2d)
+        ctx.flat = stream is not None
         if ctx.flat:  # plain tensors in and out: replayed from a CUDA graph (nvfp4lab.cuda_graphs)
-            y, ctx.saved = _run_fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
+            y, ctx.saved = _run_fprop(state, stream, x2d, weight, bias, need_dgrad, need_wgrad)
             ctx.saved_for = (need_dgrad, need_wgrad)
         else:
             with torch.autocast(device_type=x.device.type, enabled=False):
@@ -473,10 +474,11 @@ class _NVFP4LinearFunction(torch.autograd.Function):
         dy = grad_out.reshape(-1, grad_out.shape[-1])
         need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
         if ctx.flat:
-            dx, dw, db = _run_bprop(ctx.state, dy, ctx.saved, K, ctx.x_dtype, ctx.w_dtype, ctx.bias_dtype or ctx.w_dtype,
-                                    *ctx.saved_for, need_dgrad, need_wgrad, need_dbias)
+            dx, dw, db = _needed(_run_bprop(ctx.state, _graph_stream(ctx.state, dy), dy, ctx.saved, K, ctx.x_dtype,
+                                            ctx.w_dtype, ctx.bias_dtype or ctx.w_dtype, *ctx.saved_for,
+                                            need_dgrad, need_wgrad, need_dbias),
+                                 (need_dgrad, need_wgrad, need_dbias))
             ctx.saved = None
-            dx, dw, db = (dx if need_dgrad else None), (dw if need_wgrad else None), (db if need_dbias else None)
         else:
             with torch.autocast(device_type=grad_out.device.type, enabled=False):
                 dx, dw, db = _bprop(ctx.state, dy, ctx.qxt, ctx.qwt, K, ctx.x_dtype, ctx.w_dtype, ctx.bias_dtype,
@@ -587,9 +589,10 @@ def _drawing_from(state: _LayerState, streams: tuple) -> _LayerState:
     return replace(state, generator=streams[0], _streams={})
 
 
-def _run_fprop(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, ...]:
-    """:func:`_fprop_packed`, from a CUDA graph where :func:`_graph_stream` allows (bit-identical)."""
-    stream = _graph_stream(state, x2d)
+def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, need_dgrad: bool,
+               need_wgrad: bool) -> tuple[torch.Tensor, ...]:
+    """:func:`_fprop_packed`, from a CUDA graph where ``stream`` (:func:`_graph_stream`) is not None
+    (bit-identical)."""
     if stream is None or not (need_dgrad or need_wgrad):   # inference: shapes vary, launches are fewer
         return _fprop_packed(state, x2d, weight, bias, need_dgrad, need_wgrad)
     opts = kernels.options()
@@ -601,11 +604,11 @@ def _run_fprop(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgr
                         and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
 
 
-def _run_bprop(state: _LayerState, dy, saved, *rest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
+               *rest) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_bprop_packed` (``rest``: its arguments after ``saved``), from a CUDA graph where
-    :func:`_graph_stream` allows (bit-identical)."""
+    ``stream`` (:func:`_graph_stream`) is not None (bit-identical)."""
     need_dgrad, need_wgrad = rest[6], rest[7]
-    stream = _graph_stream(state, dy)
     if stream is None or not (need_dgrad or need_wgrad):
         return _bprop_packed(state, dy, saved, *rest)
     opts = kernels.options()
@@ -617,7 +620,8 @@ def _run_bprop(state: _LayerState, dy, saved, *rest) -> tuple[torch.Tensor, torc
 @torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
 def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
                      need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    return _run_fprop(_STATES[key], x2d, weight, bias, need_dgrad, need_wgrad)
+    state = _STATES[key]
+    return _run_fprop(state, _graph_stream(state, x2d), x2d, weight, bias, need_dgrad, need_wgrad)
 
 
 @_linear_fprop_op.register_fake
@@ -641,8 +645,9 @@ def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> N
 def _linear_bprop_op(dy: torch.Tensor, saved: torch.Tensor, key: int, K: int, x_dtype: torch.dtype,
                      w_dtype: torch.dtype, bias_dtype: torch.dtype, saved_dgrad: bool, saved_wgrad: bool,
                      need_dgrad: bool, need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    return _run_bprop(_STATES[key], dy, saved, K, x_dtype, w_dtype, bias_dtype, saved_dgrad, saved_wgrad,
-                      need_dgrad, need_wgrad, need_dbias)
+    state = _STATES[key]
+    return _run_bprop(state, _graph_stream(state, dy), dy, saved, K, x_dtype, w_dtype, bias_dtype, saved_dgrad,
+                      saved_wgrad, need_dgrad, need_wgrad, need_dbias)
 
 
 @_linear_bprop_op.register_fake
@@ -654,6 +659,11 @@ def _(dy, saved, key, K, x_dtype, w_dtype, bias_dtype, saved_dgrad, saved_wgrad,
             torch.empty((N,) if need_dbias else (0,), dtype=bias_dtype, device=dev))
 
 
+def _needed(grads, needs) -> tuple:
+    """(dX, dW, db) of :func:`_bprop_packed` with None for those not needed (its empty tensors)."""
+    return tuple(g if need else None for g, need in zip(grads, needs))
+
+
 def _fprop_setup_context(ctx, inputs, output):
     x2d, weight, bias, key, need_dgrad, need_wgrad = inputs
     ctx.save_for_backward(output[1])
@@ -663,9 +673,9 @@ def _fprop_setup_context(ctx, inputs, output):
 
 def _fprop_backward(ctx, gy, *_saved_grads):
     need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
-    dx, dw, db = torch.ops.nvfp4lab.linear_bprop(gy, *ctx.saved_tensors, ctx.key, ctx.K, *ctx.dtypes, *ctx.saved_for,
-                                                 need_dgrad, need_wgrad, need_dbias)
-    return (dx if need_dgrad else None, dw if need_wgrad else None, db if need_dbias else None, None, None, None)
+    grads = torch.ops.nvfp4lab.linear_bprop(gy, *ctx.saved_tensors, ctx.key, ctx.K, *ctx.dtypes, *ctx.saved_for,
+                                            need_dgrad, need_wgrad, need_dbias)
+    return (*_needed(grads, (need_dgrad, need_wgrad, need_dbias)), None, None, None)
 
 
 torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context)

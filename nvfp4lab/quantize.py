@@ -732,16 +732,24 @@ def pair_uses_kernels(x: torch.Tensor, row: dict, col: dict | None) -> bool:
     """
     if col is None:
         return uses_kernels(x, **row)
+    return _pair_kernel_args(x, row, col) is not None
+
+
+def _pair_kernel_args(x: torch.Tensor, row: dict, col: dict) -> tuple[str, str, bool, int] | None:
+    """``(block, rounding, columnwise RHT, sign mask)`` for the pair kernels, or None where they do
+    not cover the pair (the rule :func:`pair_uses_kernels` states)."""
     block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
     col_rht = bool(col.get("rht", False))
     extra = any(opts.get(k) for opts in (row, col) for k in ("four_over_six", "row_scaled"))
     if (row.get("rht", False) or (col.get("block", "1d"), col.get("rounding", "nearest")) != (block, rounding)
             or row.get("amax") is not None or col.get("amax") is not None or x.dim() < 2 or extra):
-        return False
+        return None
     _check_options(x, block, rounding, False)
     mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
-    return kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask,
-                                             four_over_six=False, row_scaled=False)
+    if not kernels.covers_rowwise_columnwise(x, block=block, rounding=rounding, rht=col_rht, sign_mask=mask,
+                                             four_over_six=False, row_scaled=False):
+        return None
+    return block, rounding, col_rht, mask
 
 
 def quantize_rowwise_columnwise(
@@ -787,14 +795,13 @@ def quantize_rowwise_columnwise(
         if fallback or uses_kernels(x, **row):
             return quantize(x, generator=generator, **row), None
         return None
-    if not pair_uses_kernels(x, row, col):
+    args = _pair_kernel_args(x, row, col)
+    if args is None:
         if not fallback:
             return None
         x2d = x.reshape(-1, x.shape[-1])
         return quantize(x, generator=generator, **row), quantize(x2d.t(), generator=generator, **col)
-    block, rounding = row.get("block", "1d"), row.get("rounding", "nearest")
-    col_rht = bool(col.get("rht", False))
-    mask = kernels.sign_mask(_signs(col.get("rht_signs", WGRAD_SIGNS))) if col_rht else 0
+    block, rounding, col_rht, mask = args
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
         generator=generator, values=(bool(values[0]), bool(values[1])))
