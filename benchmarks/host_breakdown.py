@@ -104,14 +104,18 @@ def main(argv: list[str] | None = None) -> int:
         with torch.autocast(device_type="cuda", enabled=False):
             pass
 
+    rows_grid = (M // cfg["BM"], (K // 16) // 16)
+    rows_args = (x, M, K, x.stride(0), amax, seeds, d.view(torch.int32), s, s, K // 8, K // 16, K // 2, 1 / 6)
+    rows_constexprs = dict(SR=False, VALUES=False, WORDS=True, BM=cfg["BM"], NB=16, REVERSE=False, EVEN=True,
+                           I64=False)
     pieces: dict[str, Callable[[], Any]] = {
         "torch.empty (1 allocation)": lambda: torch.empty(M, K, dtype=torch.uint8, device=dev),
         "torch.zeros(2) (allocation + fill kernel)": lambda: torch.zeros(2, dtype=torch.float32, device=dev),
         "torch op launch (ones.add_(1))": lambda: ones.add_(1),
-        "Triton launch (quantize_rows_kernel[grid](...))": lambda: k.quantize_rows_kernel[(M // cfg["BM"], (K // 16) // 16)](
-            x, M, K, x.stride(0), amax, seeds, d.view(torch.int32), s, s, K // 8, K // 16, K // 2, 1 / 6,
-            SR=False, VALUES=False, WORDS=True, BM=cfg["BM"], NB=16, REVERSE=False, EVEN=True, I64=False,
-            num_warps=cfg["num_warps"], enable_fp_fusion=False),
+        "Triton launch (quantize_rows_kernel[grid](...))": lambda: k.quantize_rows_kernel[rows_grid](
+            *rows_args, **rows_constexprs, num_warps=cfg["num_warps"], enable_fp_fusion=False),
+        "the same launch through kernels._launch (launch cache)": lambda: kernels._launch(
+            k.quantize_rows_kernel, rows_grid, *rows_args, **rows_constexprs, num_warps=cfg["num_warps"]),
         "SRStream.seeds()": stream.seeds,
         "kernels.quantize_rowwise(x, amax=a)": lambda: kernels.quantize_rowwise(x, amax=amax),
         "quantize(x, amax=a, check=False)": lambda: quantize(x, amax=amax, check=False),

@@ -651,3 +651,19 @@ def test_kernel_options_are_immutable_and_scoped():
     with pytest.raises(TypeError):
         with kernels.use_options(no_such_option=True):
             pass
+
+
+def test_launch_signature_separates_what_triton_specialises_on():
+    """The launch cache's key (``kernels._launch_signature``) refines Triton's specialisation: a
+    tensor's dtype and 16-byte alignment, an integer equal to 1, divisible by 16, or wider than
+    32 bits; so a cached kernel is only reused where Triton would pick the same one."""
+    spec = lambda v: kernels._launch_signature((v,))  # noqa: E731
+    buf = torch.zeros(64, dtype=torch.bfloat16)
+    assert buf.data_ptr() % 16 == 0
+    assert spec(buf) == spec(buf[8:]) != spec(buf[1:])
+    assert spec(buf) != spec(buf.float())
+    assert spec(16) == spec(32) != spec(17) != spec(1) != spec(16)
+    assert spec(2**31 - 16) != spec(2**31) != spec(2**63)
+    assert spec(True) != spec(1) and spec(0.5) == spec(1.0)
+    assert spec(torch.nn.Parameter(buf.float())) == spec(buf.float())  # a Parameter is a tensor
+

@@ -113,6 +113,9 @@ class KernelOptions:
             from CUDA graphs captured per shape (:mod:`nvfp4lab.cuda_graphs`: bit-identical, one
             copy of inputs and outputs more, the launch overhead of ~20 kernels gone); False: the
             kernels launched one by one.
+        launch_cache: launch a kernel whose launch signature was seen before through the compiled
+            kernel Triton returned for it (:func:`_launch`: the same binary and arguments, a third of
+            the host time); False: Triton's own launch every time.
         interpret_on_cpu: in Triton's interpreter (``TRITON_INTERPRET=1``), run the kernels on CPU
             tensors. Off by default: the interpreter is numpy, far slower than the PyTorch
             reference; the CPU tests of the kernels turn it on.
@@ -126,6 +129,7 @@ class KernelOptions:
     e2m1_bits: bool = True
     interpret_on_cpu: bool = False
     layer_graphs: bool = True
+    launch_cache: bool = True
     config: Mapping[str, Mapping[str, int]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({k: MappingProxyType(dict(v)) for k, v in _DEFAULT_CONFIG.items()}))
 
@@ -285,6 +289,58 @@ def _launch_opts() -> dict:
     return {} if interpreter_mode() else {"enable_fp_fusion": False}
 
 
+#: Compiled kernels by launch signature (:func:`_launch`), filled on each signature's first launch.
+_LAUNCHES: dict[tuple, tuple[Any, tuple]] = {}
+
+
+def _launch_signature(args: tuple) -> tuple:
+    """What Triton's launch specialises each runtime argument on, or more (a refinement): a
+    tensor's dtype and 16-byte alignment; an integer's being 1, its divisibility by 16 and its
+    width (i32 / i64 / u64); a float is a float. Triton 3.6 ``runtime/jit.py``
+    ``create_function_from_signature`` (``specialize_impl``). One expression: this runs on every launch."""
+    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else
+                  (a == 1, a & 15 == 0, -2**31 <= a < 2**31, a < 2**63) if type(a) is int else
+                  float if type(a) is float else (type(a), a) for a in args])
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any) -> None:
+    """``kernel[grid](*args, num_warps=num_warps, **constexprs)``: every kernel of this package is
+    launched here. ``args`` are the kernel's runtime arguments in order; ``constexprs`` the rest.
+
+    Triton's own launch binds the arguments, builds its cache key from them and checks the
+    kernel's globals on every call: ~30 µs of host time per kernel on the lent H200's host
+    (``results/host_breakdown_nvidia_h200.json``), twice an eager ``quantize`` call's launches.
+    So the compiled kernel Triton returns on a signature's first launch is kept, keyed by the
+    kernel, the current device, ``num_warps``, the constexprs and what Triton specialises each
+    runtime argument on (:func:`_launch_signature`); a later launch with the same key calls it
+    directly, through Triton's public ``CompiledKernel[grid](*args)``: the launcher Triton itself
+    would reach, with the same binary, arguments and launch hooks (Triton 3.6
+    ``compiler/compiler.py``). Triton's path is taken in the interpreter and with
+    ``options().launch_cache`` off.
+
+    Raises:
+        TypeError: a keyword argument that is not one of the kernel's constexpr parameters.
+    """
+    opts = _launch_opts()
+    if interpreter_mode() or not options().launch_cache:
+        kernel[grid](*args, num_warps=num_warps, **constexprs, **opts)
+        return
+    key = (id(kernel), torch.cuda.current_device(), num_warps, tuple(constexprs.items()),
+           _launch_signature(args))
+    hit = _LAUNCHES.get(key)
+    if hit is not None:
+        compiled, tail = hit
+        compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
+        return
+    names = kernel.arg_names[len(args):]
+    params = {p.name: p for p in kernel.params}
+    if set(constexprs) - set(names) or any(not params[n].is_constexpr for n in names):
+        raise TypeError(f"{kernel.__name__}: keyword arguments must be its constexprs, in order after the "
+                        f"runtime arguments; got {sorted(constexprs)} for {names}")
+    compiled = kernel[grid](*args, num_warps=num_warps, **constexprs, **opts)
+    _LAUNCHES[key] = (compiled, tuple(constexprs[n] if n in constexprs else params[n].default for n in names))
+
+
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False)):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
@@ -313,20 +369,20 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         if do_col_rht and opts.slices and M % 16 == 0 and not row_rht:
             a_cfg = config["amax_slices"]
             G, BK = a_cfg["G"], a_cfg["BK"]
-            k.amax_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
+            _launch(k.amax_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),),
                 x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1), ROW=do_row, COL_RHT=True,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
-                num_warps=a_cfg["num_warps"], **_launch_opts())
+                num_warps=a_cfg["num_warps"])
         else:
             a_cfg = config["amax"]
             BM, BK = a_cfg["BM"], a_cfg["BK"]
-            k.amax_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
+            _launch(k.amax_kernel, (_cdiv(M, BM) * _cdiv(K, BK),),
                 x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1),
                 ROW=do_row, ROW_RHT=row_rht, COL_RHT=do_col_rht,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
                 EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
-                num_warps=a_cfg["num_warps"], **_launch_opts())
+                num_warps=a_cfg["num_warps"])
     a_row = amax_row if amax_row is not None else buf[0]
     if block2d:
         a_col = a_row
@@ -355,11 +411,11 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
             # BF16 pairs loaded as int32 words where the rows are 4-byte aligned
             words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
-            k.quantize_rows_kernel[(_cdiv(M, BM), _cdiv(K // 16, NB))](
+            _launch(k.quantize_rows_kernel, (_cdiv(M, BM), _cdiv(K // 16, NB)),
                 x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s,
                 dummy if v is None else v.view(torch.int32), Kh // 4, K16, K // 2, _INV6,
                 SR=sr, VALUES=v is not None, WORDS=words, BM=BM, NB=NB, REVERSE=reverse,
-                EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+                EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"])
             out_v[0] = v
             return
         use_slices = opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
@@ -369,7 +425,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             G, BK = cfg["G"], cfg["BK"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] and row_ and block2d else None
             vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
-            k.quantize_slices_kernel[(_cdiv(M, 16 * G) * _cdiv(K, BK),)](
+            _launch(k.quantize_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),),
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
                 d if row_ else dummy, s if row_ else dummy, dt.view(torch.int32), st,
                 dummy if v is None else v.view(torch.int16), dummy if vt is None else vt.view(torch.int16),
@@ -377,21 +433,21 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 ROW=row_, COL=col_, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
-                EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+                EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"])
             if v is not None:
                 out_v[0] = v
             out_v[1] = vt
         else:
             cfg = config["2d" if block2d else ("both" if row_ and col_ else ("row" if row_ else "col"))]
             BM, BK = cfg["BM"], cfg["BK"]
-            k.quantize_kernel[(_cdiv(M, BM) * _cdiv(K, BK),)](
+            _launch(k.quantize_kernel, (_cdiv(M, BM) * _cdiv(K, BK),),
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
                 d if row_ else dummy, s if row_ else dummy, dt if col_ else dummy, st if col_ else dummy,
                 Kh, K16, Mh, M16, _INV6,
                 ROW=row_, COL=col_, ROW_RHT=row_rht, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
-                EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"], **_launch_opts())
+                EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"])
 
     if row and col and not block2d and not opts.fuse_row_col:
         launch(True, False)
@@ -555,19 +611,19 @@ def _decode(data, scale, amax, M, K, block2d, *, global_scale: bool, mask: int |
             and data.data_ptr() % 16 == 0):
         cfg = config["values"]
         BM, NB = cfg["BM"], cfg["NB"]
-        k.block_values_rows_kernel[(_cdiv(M, BM), _cdiv(K // 16, NB))](
+        _launch(k.block_values_rows_kernel, (_cdiv(M, BM), _cdiv(K // 16, NB)),
             data.view(torch.int32), scale.view(torch.uint8), out.view(torch.int16), M, K,
             K // 8, scale.stride(0), out.stride(0), BLOCK2D=block2d, BM=BM, NB=NB,
-            num_warps=cfg["num_warps"], **_launch_opts())
+            num_warps=cfg["num_warps"])
         return out
     cfg = config["dequant"]
     BM, BK = cfg["BM"], cfg["BK"]
     amax_arg = out if amax is None else amax.reshape(1).to(torch.float32)  # unused pointer without GLOBAL
-    k.dequantize_kernel[(_cdiv(M, BM), _cdiv(K, BK))](
+    _launch(k.dequantize_kernel, (_cdiv(M, BM), _cdiv(K, BK)),
         data, scale.view(torch.uint8), amax_arg, out.view(torch.int16),
         M, K, data.stride(0), scale.stride(0), out.stride(0), _INV2688,
         BLOCK2D=block2d, GLOBAL=global_scale, UNDO_RHT=undo_rht, SIGN_MASK=mask or 0, BM=BM, BK=BK,
-        num_warps=cfg["num_warps"], **_launch_opts())
+        num_warps=cfg["num_warps"])
     return out
 
 
@@ -613,7 +669,7 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
 
         if cublas.available():
             coef = torch.empty(2, dtype=torch.float32, device=a_values.device)
-            _kernels().gemm_alpha_kernel[(1,)](am_a, am_b, coef, _GEMM_FACTOR, num_warps=1, **_launch_opts())
+            _launch(_kernels().gemm_alpha_kernel, (1,), am_a, am_b, coef, _GEMM_FACTOR, num_warps=1)
             out = cublas.gemm_device_alpha(a_values, b_values, coef, out_dtype)
             if out is not None:
                 return out
@@ -623,8 +679,8 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
     bf16 = out_dtype == torch.bfloat16
     bias_c = None if bias is None else bias.contiguous()
     BM, BN = 32, 128
-    _kernels().gemm_epilogue_kernel[(_cdiv(M, BM), _cdiv(N, BN))](
+    _launch(_kernels().gemm_epilogue_kernel, (_cdiv(M, BM), _cdiv(N, BN)),
         acc, am_a, am_b, acc if bias_c is None else bias_c,
         out.view(torch.int16) if bf16 else out, M, N, acc.stride(0), N, _GEMM_FACTOR,
-        HAS_BIAS=bias is not None, OUT_BF16=bf16, BM=BM, BN=BN, num_warps=4, **_launch_opts())
+        HAS_BIAS=bias is not None, OUT_BF16=bf16, BM=BM, BN=BN, num_warps=4)
     return out

@@ -110,6 +110,42 @@ def test_non_contiguous_and_special_values():
         _same(fast(y, amax=amax), _ref(y, amax=amax))
 
 
+def test_launch_cache_launches_the_kernel_triton_would():
+    """``kernels._launch`` keeps Triton's compiled kernel per launch signature: calls that change
+    what Triton specialises on (a 16-byte-aligned or unaligned pointer, M == 1, K not a multiple
+    of 16, a transposed view) give a new entry, and every call equals Triton's own launch
+    (``launch_cache=False``) and the reference, bit for bit. Repeating a call adds no entry."""
+    base = _x((300 * 64 + 64,), torch.bfloat16, seed=5, scale=2.0)
+    views = [base[:256 * 64].view(256, 64),                 # aligned
+             base[1:1 + 256 * 64].view(256, 64),            # 2-byte offset: unaligned pointer
+             base[8:8 + 272 * 48].view(272, 48),            # 16-byte aligned again, K = 48
+             base[:64].view(1, 64),                         # M == 1
+             base[:300 * 40].view(300, 40),                 # K % 16 != 0
+             base[:256 * 64].view(256, 64).t()]             # strides (1, 64)
+    calls = [lambda v: quantize(v), lambda v: quantize(v, block="2d"),
+             lambda v: quantize(v, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(7)),
+             lambda v: quantize(v, rht=True) if v.shape[-1] % 16 == 0 else None,
+             lambda v: pair(v, rht=True, values=(True, True)) if v.shape[0] % 16 == 0 else None]
+    for v in views:
+        for call in calls:
+            with kernels.use_options(launch_cache=False):
+                own = call(v)
+            cached = call(v)
+            entries = len(kernels._LAUNCHES)
+            again = call(v)
+            assert len(kernels._LAUNCHES) == entries, "a repeated call made a new launch entry"
+            if own is None:
+                assert cached is None
+                continue
+            for a, b, c in zip(*(r if isinstance(r, tuple) else (r,) for r in (own, cached, again))):
+                _same(b, a)
+                _same(c, a)
+                if a.values_bf16 is not None:
+                    assert torch.equal(b.values_bf16, a.values_bf16) and torch.equal(c.values_bf16, a.values_bf16)
+        _same(quantize(v), _ref(v))
+    assert kernels._LAUNCHES, "the launch cache was not used"
+
+
 @pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_dequantize_bit_exact(block, rht, dtype):
