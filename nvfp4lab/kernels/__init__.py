@@ -27,7 +27,8 @@ E2M1 code is computed with FP32 operations (the minimum of three exact candidate
 ``triton_kernels._e2m1_rne_fast``), SR takes one Philox draw per block (8 random bits per element),
 BF16 rounding uses the hardware conversion; the rowwise RNE kernel executes about twenty SASS
 instructions per element, SR and the RHT's exact FP64 butterfly add to that. One Python call
-launches two or three kernels, so capture small steps in CUDA graphs.
+launches two or three kernels, each through :func:`_launch` (Triton's compiled kernel kept per launch
+signature, about half the host time of Triton's own launch), so capture small steps in CUDA graphs.
 
 Where the kernels run: CUDA tensors when Triton is installed; CPU tensors only in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before this package is first used), which the CPU
