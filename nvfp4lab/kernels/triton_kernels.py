@@ -609,9 +609,9 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
             if ROW:
                 _store(s_ptr + gi[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
                        (gi[:, None] < M16) & (scols[None, :] < K16), EVEN)
-            if COL:
-                _store(st_ptr + scols[None, :] * st_rs + gi[:, None], sfc.to(tl.uint8),
-                       (gi[:, None] < M16) & (scols[None, :] < K16), EVEN)
+            if COL:  # transposed: row k/16 of the columnwise scales holds the G tiles side by side
+                _store(st_ptr + scols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8),
+                       (gi[None, :] < M16) & (scols[:, None] < K16), EVEN)
             rcodes = [tl.reshape(_e2m1_rne_fast(tl.reshape(xs[i], (G, BK // 16, 16)) * enc[:, :, None]), (G, BK))
                 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             if ROW:
@@ -650,7 +650,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         sf = tl.minimum(tl.minimum(bm * mult_t, FLT_MAX), 448.0)
         sfv, sfc = _e4m3_rne(sf)
         enc = tl.minimum(_div_rn(1.0, sfv * s_dec_t), FLT_MAX)
-        _store(st_ptr + cols[None, :] * st_rs + gi[:, None], sfc.to(tl.uint8), wmask, EVEN)
+        _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8), tl.trans(wmask), EVEN)
         if SR:
             seed_t = tl.load(seed_ptr + 1)
             r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
@@ -670,18 +670,24 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         p = [tl.join(cvals[2 * j], cvals[2 * j + 1]) for j in (0, 1, 2, 3, 4, 5, 6, 7)]
         q = [tl.join(p[2 * j], p[2 * j + 1]) for j in (0, 1, 2, 3)]
         r = [tl.join(q[2 * j], q[2 * j + 1]) for j in (0, 1)]
-        vblk = tl.reshape(tl.permute(tl.join(r[0], r[1]), (0, 1, 5, 4, 3, 2)), (G, BK, 16))
-        vptrs = vt_ptr + cols[None, :, None] * vt_rs + (gi * 16)[:, None, None] + tl.arange(0, 16)[None, None, :]
-        _store(vptrs, vblk, wmask[:, :, None], EVEN)
+        # row k of the values: the G blocks' 16 values side by side (16·G contiguous int16), one
+        # coalesced row segment instead of one 32-byte piece per thread and row
+        vrow = tl.reshape(tl.permute(tl.join(r[0], r[1]), (1, 0, 5, 4, 3, 2)), (BK, 16 * G))
+        vcol = pm * (16 * G) + tl.arange(0, 16 * G)
+        _store(vt_ptr + cols[:, None] * vt_rs + vcol[None, :], vrow,
+               (cols[:, None] < K) & (vcol[None, :] < M), EVEN)
     if COL:
         w0 = ccodes[0]
         w1 = ccodes[8]
         for i in tl.static_range(1, 8):
             w0 = w0 | (ccodes[i] << (4 * i))
             w1 = w1 | (ccodes[8 + i] << (4 * i))
-        wp = dt32_ptr + cols[None, :] * dt32_rs + (gi * 2)[:, None]
-        _store(wp, w0, wmask, EVEN)
-        _store(wp + 1, w1, wmask, EVEN)
+        # row k of the packed codes: the G blocks' two words each side by side (2·G contiguous
+        # int32), stored as one coalesced row segment (the tile's layout has k across threads)
+        wrow = tl.reshape(tl.permute(tl.join(w0, w1), (1, 0, 2)), (BK, 2 * G))
+        wcol = pm * (2 * G) + tl.arange(0, 2 * G)
+        _store(dt32_ptr + cols[:, None] * dt32_rs + wcol[None, :], wrow,
+               (cols[:, None] < K) & (wcol[None, :] < 2 * M16), EVEN)
 
 
 @triton.jit
