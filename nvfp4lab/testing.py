@@ -12,7 +12,7 @@ import torch
 from .hadamard import WGRAD_SIGNS
 from .quantize import NVFP4Tensor
 
-__all__ = ["assert_nvfp4_equal"]
+__all__ = ["assert_nvfp4_equal", "rht_rounding_boundary_block"]
 
 
 def _first_difference(a: torch.Tensor, b: torch.Tensor) -> str:
@@ -59,3 +59,36 @@ def assert_nvfp4_equal(actual: NVFP4Tensor | None, expected: NVFP4Tensor, *, che
         a, e = a.detach().cpu(), e.detach().cpu()
         assert a.shape == e.shape, f"{where}{name}: shape {tuple(a.shape)} vs {tuple(e.shape)}"
         assert torch.equal(a, e), f"{where}{name}: {_first_difference(a, e)}"
+
+
+def rht_rounding_boundary_block(generator: torch.Generator, columns: int = 8,
+                                device: torch.device | str = "cpu") -> torch.Tensor:
+    """A BF16 ``[16, columns]`` input whose columnwise RHT only an exact butterfly gets right.
+
+    All zero but one column (chosen by ``generator``), a 16-row block holding four non-zeros at
+    random rows with random signs: ±4, ±2⁻⁶, ±2⁻²² and ±2⁻⁴⁰. Whatever the RHT's signs, its largest
+    output has magnitude (4 + 2⁻⁶ ± 2⁻²² ± 2⁻⁴⁰)/4, a hair from the BF16 rounding boundary
+    1 + 2⁻⁸; the exact sum rounded once to FP32 (then to BF16, as TE's reference and
+    :func:`nvfp4lab.hadamard.random_hadamard_transform` do) falls on the side the tiny terms say,
+    while an FP32 butterfly, rounding at each of its four stages, loses one of them in most draws.
+    For checking that a fast RHT (a kernel's butterfly) equals the exact one on the post-RHT amax
+    and codes: ``tests/test_kernels.py`` shows that this package's kernels do (their butterfly runs
+    in FP64) and that an FP32 butterfly does not.
+
+    Args:
+        generator: CPU ``torch.Generator`` for the column, rows and signs.
+        columns: width of the block (>= 1); the other columns are zero.
+        device: where the result lives.
+
+    Raises:
+        ValueError: ``columns < 1``.
+    """
+    if columns < 1:
+        raise ValueError(f"columns must be >= 1, got {columns}")
+    x = torch.zeros(16, columns)
+    col = int(torch.randint(0, columns, (1,), generator=generator))
+    rows = torch.randperm(16, generator=generator)[:4]
+    signs = torch.where(torch.rand(4, generator=generator) < 0.5, -1.0, 1.0)
+    x[rows, col] = signs * torch.tensor([4.0, 2.0 ** -6, 2.0 ** -22, 2.0 ** -40])
+    return x.to(torch.bfloat16).to(device)
+

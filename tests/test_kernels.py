@@ -20,7 +20,7 @@ import torch
 pytest.importorskip("triton")
 
 from nvfp4lab import kernels  # noqa: E402
-from nvfp4lab.testing import assert_nvfp4_equal
+from nvfp4lab.testing import assert_nvfp4_equal, rht_rounding_boundary_block
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
 from nvfp4lab.quantize import (  # noqa: E402
@@ -667,3 +667,46 @@ def test_launch_signature_separates_what_triton_specialises_on():
     assert spec(True) != spec(1) and spec(0.5) == spec(1.0)
     assert spec(torch.nn.Parameter(buf.float())) == spec(buf.float())  # a Parameter is a tensor
 
+
+
+def _rht_amax(x):
+    """The columnwise RHT copy's amax bits of ``x`` [M, K] (bf16), through the kernels (the 16-slice
+    amax pass) or, with the kernels off, the reference."""
+    copies = pair(x, rht=True) if kernels.available(x.device) else ref(
+        quantize_rowwise_columnwise, x, dict(block="1d"), dict(block="1d", rht=True))
+    return copies[1].amax.view(torch.int32)
+
+
+def test_rht_is_exact_where_an_fp32_butterfly_is_not():
+    """The columnwise RHT of the kernels (an FP64 butterfly, rounded once to FP32 and BF16) gives
+    the reference's post-RHT amax bit for bit on blocks built to sit at a BF16 rounding boundary
+    (:func:`nvfp4lab.testing.rht_rounding_boundary_block`), where an FP32 butterfly
+    (``rht_f64=False``) is wrong in most of them, and on Inf, overflow, outputs in FP32's subnormal
+    range and wide-range inputs; a NaN propagates to the amax. (BF16 subnormal *inputs* are left to
+    ``tests/gpu``: Triton 3.6's interpreter converts them to FP32 wrongly, 1.0102e-39 -> 4.4081e-39.)"""
+    g = torch.Generator().manual_seed(0)
+    wrong_fp32 = 0
+    for _ in range(12):
+        x = rht_rounding_boundary_block(g)
+        want = ref(_rht_amax, x)
+        assert torch.equal(_rht_amax(x), want)
+        with kernels.use_options(rht_f64=False):
+            wrong_fp32 += not torch.equal(_rht_amax(x), want)
+    assert wrong_fp32 >= 3, "the blocks no longer separate an exact butterfly from an FP32 one"
+    big = float(torch.finfo(torch.bfloat16).max)
+    tiny = torch.where(torch.rand(32, 16, generator=g) < 0.5, -1.0, 1.0) * (1 + torch.rand(32, 16, generator=g)) * 2.0 ** -126
+    wide = torch.randn(32, 16, generator=g) * 1e30
+    wide[::3] *= 1e-60                                  # blocks spanning ~200 binades
+    specials = [torch.full((32, 16), big), tiny, wide]
+    for v in (float("inf"), -float("inf")):
+        y = torch.randn(32, 16, generator=g)
+        y[5, 3] = v
+        specials.append(y)
+    for x in specials:
+        x = x.to(torch.bfloat16)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)   # ±Inf input
+            assert torch.equal(_rht_amax(x), ref(_rht_amax, x)), x.flatten()[:4]
+    y = torch.randn(32, 16, generator=g)
+    y[5, 3] = float("nan")                                # the reference refuses NaN; the pass propagates it
+    assert torch.isnan(_rht_amax(y.to(torch.bfloat16)).view(torch.float32))

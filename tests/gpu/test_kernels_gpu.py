@@ -17,7 +17,7 @@ triton = pytest.importorskip("triton")
 
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
-from nvfp4lab.testing import assert_nvfp4_equal
+from nvfp4lab.testing import assert_nvfp4_equal, rht_rounding_boundary_block
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.hadamard import random_hadamard_transform  # noqa: E402
 from nvfp4lab.quantize import (  # noqa: E402
@@ -108,6 +108,32 @@ def test_non_contiguous_and_special_values():
     _same(fast(m), _ref(m))
     for amax in (0.5, torch.tensor(1e-38, device=DEV)):
         _same(fast(y, amax=amax), _ref(y, amax=amax))
+
+
+def test_rht_is_exact_where_an_fp32_butterfly_is_not():
+    """The kernels' columnwise RHT (FP64 butterfly) gives the reference's amax on blocks at a BF16
+    rounding boundary, where an FP32 butterfly (``rht_f64=False``) is wrong in most draws, and
+    the reference's amax and codes on BF16 subnormal inputs."""
+    g = torch.Generator().manual_seed(1)
+
+    def amax(x):
+        return pair(x, rht=True)[1].amax.view(torch.int32)
+
+    def ref_amax(x):
+        with kernels.disabled():
+            return quantize_rowwise_columnwise(x, dict(block="1d"), dict(block="1d", rht=True))[1].amax.view(torch.int32)
+
+    wrong_fp32 = 0
+    for _ in range(100):
+        x = rht_rounding_boundary_block(g, columns=64, device=DEV)
+        want = ref_amax(x)
+        assert torch.equal(amax(x), want)
+        with kernels.use_options(rht_f64=False):
+            wrong_fp32 += not torch.equal(amax(x), want)
+    assert wrong_fp32 >= 20
+    sub = (torch.randn(4096, 512, device=DEV, generator=torch.Generator(DEV).manual_seed(2)) * 1e-39).to(torch.bfloat16)
+    assert torch.equal(amax(sub), ref_amax(sub))
+    _same(pair(sub, rht=True)[1], _ref(sub.t(), rht=True))
 
 
 def test_launch_cache_launches_the_kernel_triton_would():
