@@ -584,8 +584,10 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     columnwise block pack into two int32 words stored to ``dt`` viewed as int32 [K, M/8].
     Rowwise blocks are encoded per slice along K. Same numerics as :func:`quantize_kernel`.
     VALUES_ROW (2D only) / VALUES_COL also write the BF16 block values of the rowwise copy to
-    ``v`` [M, K] and of the columnwise copy to ``vt`` [K, M] (int16 bits; the 16 values of a
-    columnwise block are one thread's, stored as one 32-byte row segment).
+    ``v`` [M, K] and of the columnwise copy to ``vt`` [K, M] (int16 bits). The columnwise outputs
+    are stored row by row: row k of ``dt``, ``st`` and ``vt`` gets the tile's G blocks side by side
+    (2·G words, G scales, 16·G values) in one row segment, rather than one piece per thread and
+    row (5% faster on an H200 at 8192², commit 908a420).
     """
     BM: tl.constexpr = 16 * G
     xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, REVERSE, EVEN, I64)
