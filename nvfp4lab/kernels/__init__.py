@@ -115,7 +115,7 @@ class KernelOptions:
             copy of inputs and outputs more, the launch overhead of ~20 kernels gone); False: the
             kernels launched one by one.
         launch_cache: launch a kernel whose launch signature was seen before through the compiled
-            kernel Triton returned for it (:func:`_launch`: the same binary and arguments, a third of
+            kernel Triton returned for it (:func:`_launch`: the same binary and arguments, about half
             the host time); False: Triton's own launch every time.
         interpret_on_cpu: in Triton's interpreter (``TRITON_INTERPRET=1``), run the kernels on CPU
             tensors. Off by default: the interpreter is numpy, far slower than the PyTorch
@@ -309,8 +309,8 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     launched here. ``args`` are the kernel's runtime arguments in order; ``constexprs`` the rest.
 
     Triton's own launch binds the arguments, builds its cache key from them and checks the
-    kernel's globals on every call: ~30 µs of host time per kernel on the lent H200's host
-    (``results/host_breakdown_nvidia_h200.json``), twice an eager ``quantize`` call's launches.
+    kernel's globals on every call: 25–34 µs of host time per kernel on the lent H200's hosts
+    (``benchmarks/host_breakdown.py``), and an eager ``quantize`` call launches two kernels.
     So the compiled kernel Triton returns on a signature's first launch is kept, keyed by the
     kernel, the current device, ``num_warps``, the constexprs and what Triton specialises each
     runtime argument on (:func:`_launch_signature`); a later launch with the same key calls it
