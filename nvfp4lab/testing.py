@@ -91,4 +91,3 @@ def rht_rounding_boundary_block(generator: torch.Generator, columns: int = 8,
     signs = torch.where(torch.rand(4, generator=generator) < 0.5, -1.0, 1.0)
     x[rows, col] = signs * torch.tensor([4.0, 2.0 ** -6, 2.0 ** -22, 2.0 ** -40])
     return x.to(torch.bfloat16).to(device)
-

@@ -322,9 +322,8 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     Raises:
         TypeError: a keyword argument that is not one of the kernel's constexpr parameters.
     """
-    opts = _launch_opts()
     if interpreter_mode() or not options().launch_cache:
-        kernel[grid](*args, num_warps=num_warps, **constexprs, **opts)
+        kernel[grid](*args, num_warps=num_warps, **constexprs, **_launch_opts())
         return
     key = (id(kernel), torch.cuda.current_device(), num_warps, tuple(constexprs.items()),
            _launch_signature(args))
@@ -338,7 +337,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     if set(constexprs) - set(names) or any(not params[n].is_constexpr for n in names):
         raise TypeError(f"{kernel.__name__}: keyword arguments must be its constexprs, in order after the "
                         f"runtime arguments; got {sorted(constexprs)} for {names}")
-    compiled = kernel[grid](*args, num_warps=num_warps, **constexprs, **opts)
+    compiled = kernel[grid](*args, num_warps=num_warps, **constexprs, **_launch_opts())
     _LAUNCHES[key] = (compiled, tuple(constexprs[n] if n in constexprs else params[n].default for n in names))
 
 

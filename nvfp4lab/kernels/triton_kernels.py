@@ -638,7 +638,6 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                 _store(s_ptr + (g + i)[:, None] * s_rs + scols[None, :], sfc.to(tl.uint8),
                        ((g + i)[:, None] < M) & (scols[None, :] < K16), EVEN)
     # ---------------- columnwise ----------------
-    wmask = (gi[:, None] < M16) & (cols[None, :] < K)
     if COL and BLOCK2D:
         ccodes = rcodes
     if COL and not BLOCK2D:
@@ -652,7 +651,8 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         sf = tl.minimum(tl.minimum(bm * mult_t, FLT_MAX), 448.0)
         sfv, sfc = _e4m3_rne(sf)
         enc = tl.minimum(_div_rn(1.0, sfv * s_dec_t), FLT_MAX)
-        _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8), tl.trans(wmask), EVEN)
+        _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8),
+               (cols[:, None] < K) & (gi[None, :] < M16), EVEN)
         if SR:
             seed_t = tl.load(seed_ptr + 1)
             r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
