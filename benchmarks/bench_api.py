@@ -7,7 +7,9 @@ Measured side by side in one run on one device and written with provenance to
    CUDA events around each call, its host read of the amax included), without the NaN/Inf check
    (``check=False``), and the same call captured in a CUDA graph (``kernels``: the kernels' GPU time
    alone); each also with the amax given. Against the one-pass limit: the input read once and the
-   codes and scales written once, at the copy bandwidth measured in the same run.
+   codes and scales written once, at the copy bandwidth measured in the same run. For scale, a
+   PyTorch call of two kernels on the same tensor, ``x.abs().amax()``, timed the same two ways
+   (``torch_reference``): what an eager call costs over its kernels when it is not ours.
 2. ``linear``: ``NVFP4Linear`` forward+backward (the paper's recipe: RHT, SR gradients, 2D weights)
    against BF16 ``nn.Linear`` in the same mode: eager, ``torch.compile`` and captured in the
    user's own CUDA graph, at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape (768 -> 2304).
@@ -75,8 +77,14 @@ def bench_quantize(device: str, n: int) -> dict[str, Any]:
             row.update(kernels_ms=kern, kernels_frac_one_pass=limit_ms / kern, eager_over_kernels=eager / kern)
         rows.append(row)
         _log(row)
+    torch_ref = lambda: x.abs().amax()  # noqa: E731
+    ref = {"call": "x.abs().amax()", "eager_ms": median_ms(torch_ref, device, iters=50, warmup=3)}
+    if device == "cuda":
+        ref["kernels_ms"] = graph_ms(torch_ref)
+        ref["eager_over_kernels"] = ref["eager_ms"] / ref["kernels_ms"]
+    _log(ref)
     return {"n": n, "dtype": "bfloat16", "copy_GBps": copy_gbps, "one_pass_bytes": one_pass_bytes,
-            "one_pass_limit_ms": limit_ms, "calls": rows}
+            "one_pass_limit_ms": limit_ms, "calls": rows, "torch_reference": ref}
 
 
 def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Callable[[], Any]:

@@ -111,6 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     pieces: dict[str, Callable[[], Any]] = {
         "torch.empty (1 allocation)": lambda: torch.empty(M, K, dtype=torch.uint8, device=dev),
         "torch.zeros(2) (allocation + fill kernel)": lambda: torch.zeros(2, dtype=torch.float32, device=dev),
+        "kernels._amax_buffer (a slot of a zeroed pool)": lambda: kernels._amax_buffer(x.device),
         "torch op launch (ones.add_(1))": lambda: ones.add_(1),
         "Triton launch (quantize_rows_kernel[grid](...))": lambda: k.quantize_rows_kernel[rows_grid](
             *rows_args, **rows_constexprs, num_warps=cfg["num_warps"], enable_fp_fusion=False),

@@ -43,7 +43,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import warnings
-from typing import Literal
+from typing import Callable, Literal
 
 import torch
 import torch.nn.functional as F
@@ -318,7 +318,10 @@ def _amax_argument(amax, device, check: bool) -> torch.Tensor:
     if isinstance(amax, torch.Tensor):
         if amax.numel() != 1:
             raise ValueError(f"amax must be a single value, got shape {tuple(amax.shape)}")
-        a = amax.detach().to(device=device, dtype=torch.float32).reshape(())
+        if amax.dtype == torch.float32 and amax.dim() == 0 and not amax.requires_grad and amax.device == device:
+            a = amax   # what the line below returns for it, without its three tensor operations
+        else:
+            a = amax.detach().to(device=device, dtype=torch.float32).reshape(())
         value = float(a) if check else 0.0
     else:
         try:
@@ -338,19 +341,36 @@ def _capturing() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
-def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht: bool) -> None:
+def _start_host_read(t: torch.Tensor) -> Callable[[], float]:
+    """Start copying the CUDA scalar ``t`` to the host, in stream order (into pinned memory), and
+    return a function that waits for that copy alone and gives the value: work launched after this
+    call keeps the GPU busy while the host waits."""
+    host = t.detach().to("cpu", non_blocking=True)
+    done = torch.cuda.Event()
+    done.record()
+
+    def read() -> float:
+        done.synchronize()
+        return float(host)
+
+    return read
+
+
+def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht: bool,
+                  read: Callable[[], float] | None = None) -> None:
     """Raise on NaN and warn on ±Inf in ``x2`` [M, K].
 
     The computed amax (``max |x|``, post-RHT with the RHT) propagates NaN and is infinite when
     ``x2`` holds ±Inf, so one scalar read answers both (an infinite post-RHT amax is confirmed on
-    ``x2``: the transform of values near float32's max overflows); a caller-given amax says
-    nothing about ``x2``, which one ``torch.aminmax`` pass then checks.
+    ``x2``: the transform of values near float32's max overflows); ``read``, when given, is that
+    read already started (:func:`_start_host_read`). A caller-given amax says nothing about
+    ``x2``, which one ``torch.aminmax`` pass then checks.
     """
     if amax_given:
         lo, hi = (float(v) for v in torch.aminmax(x2))
         has_nan, has_inf = math.isnan(lo) or math.isnan(hi), math.isinf(lo) or math.isinf(hi)
     else:
-        a = float(amax_t.detach())
+        a = read() if read is not None else float(amax_t.detach())
         has_nan, has_inf = math.isnan(a), math.isinf(a)
         if has_inf and rht:  # the RHT of values near float32's max can overflow: was it an Inf?
             has_inf = bool(torch.isinf(x2).any())
@@ -467,7 +487,8 @@ def quantize(
             above it saturate to ±6·block scale. Default: ``max |x|`` (post-RHT if ``rht``).
         rht_signs: the RHT's 16 signs (default TE's fixed Wgrad vector).
         check: raise on NaN and warn on ±Inf, from the amax the quantization computes anyway
-            (one host read of one scalar; with ``amax=`` given, one min/max pass over ``x``
+            (one host read of one scalar, which on CUDA waits for the amax kernel alone while the
+            quantize kernel runs; with ``amax=`` given, one min/max pass over ``x``
             instead). ``False`` skips it, so the call never synchronises with the device; it is
             skipped on its own while a CUDA graph is being captured and under ``torch.compile``,
             where a host read is impossible. Unchecked, a NaN input gives a NaN amax, and every
@@ -522,7 +543,7 @@ def quantize(
     """
     _check_options(x, block, rounding, rht)
     _check_nvfp4_options(block, rht, rounding, four_over_six, e4m3_max, err_mode, row_scaled, amax)
-    signs = _signs(rht_signs)
+    signs = _signs(rht_signs) if rht else None   # only the RHT uses them
     shape = x.shape
     K = shape[-1]
     M = math.prod(shape[:-1])
@@ -551,14 +572,17 @@ def quantize(
         if check:
             _check_values(x.reshape(M, K), amax_t.amax() if row_scaled else amax_t, amax_in is not None, rht)
         return result(data, scale, amax_t)
+    reads: list = []
     if kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask):
+        # the check's read of the amax starts once its kernel is launched: it overlaps the quantize kernel
+        on_amax = (lambda a: reads.append(_start_host_read(a))) if check and x.is_cuda else None  # noqa: E731
         data, scale, amax_t = kernels.quantize_rowwise(
             x, block2d=block == "2d", rht=rht, sr=rounding == "stochastic", sign_mask=mask,
-            generator=generator, amax=amax_in)
+            generator=generator, amax=amax_in, on_amax=on_amax)
     else:
         data, scale, amax_t = _quantize_reference(x.reshape(M, K), block, rht, rounding, generator, amax_in, signs)
     if check:
-        _check_values(x.reshape(M, K), amax_t, amax_in is not None, rht)
+        _check_values(x.reshape(M, K), amax_t, amax_in is not None, rht, reads[0] if reads else None)
     return result(data, scale, amax_t)
 
 

@@ -45,7 +45,7 @@ import dataclasses
 import math
 import os
 from types import MappingProxyType
-from typing import Any, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 
@@ -73,6 +73,10 @@ _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     "dequant": dict(BM=32, BK=256, num_warps=8),
     # one-block-per-thread kernels (rowwise 1x16, K % 16 == 0): BM rows x NB blocks per program
     "rows": dict(BM=8, NB=32, num_warps=4),
+    # the same with the amax given (no amax pass just before: H200, 8192^2, RNE 53.2 vs 58.2 us at
+    # BM=8 NB=32 w4, SR 80.3 vs 84.0; after an amax pass BM=8 NB=32 w4 is faster, 94.7 vs 98.2 us
+    # in all: narrow column tiles reuse more of what the amax pass left in L2)
+    "rows_amax_given": dict(BM=1, NB=64, num_warps=2),
     "rows_narrow": dict(BM=4, NB=16, num_warps=2),  # when K/16 is not a multiple of 32 (K = 768: -7%)
     "rows_values": dict(BM=4, NB=32, num_warps=4),  # with the BF16 values (H200, 8192^2: 172 vs 190 us)
     "rows_values_narrow": dict(BM=8, NB=16, num_warps=4),  # the same, K/16 not a multiple of 32
@@ -219,7 +223,7 @@ def available(device: torch.device | str) -> bool:
         return False
     if _kernels() is None:
         return False
-    dev = torch.device(device)
+    dev = device if isinstance(device, torch.device) else torch.device(device)
     if interpreter_mode():
         return dev.type == "cpu" and options().interpret_on_cpu
     return dev.type == "cuda"
@@ -291,20 +295,68 @@ def _launch_opts() -> dict:
 
 
 #: Compiled kernels by launch signature (:func:`_launch`), filled on each signature's first launch.
-_LAUNCHES: dict[tuple, tuple[Any, tuple]] = {}
+_LAUNCHES: dict[tuple, tuple[Any, ...]] = {}
+#: What Triton specialises an integer argument on, by value (:func:`_launch_signature`).
+_INT_SPECS: dict[int, int] = {}
 
 
-def _launch_signature(args: tuple) -> tuple:
-    """What Triton's launch specialises each runtime argument on, or more (a refinement): a
-    tensor's dtype and 16-byte alignment; an integer's being 1, its divisibility by 16 and its
-    width (i32 / i64 / u64); a float is a float. Triton 3.6 ``runtime/jit.py``
-    ``create_function_from_signature`` (``specialize_impl``). One expression: this runs on every launch."""
-    return tuple([(a.dtype, a.data_ptr() & 15 == 0) if isinstance(a, torch.Tensor) else
-                  (a == 1, a & 15 == 0, -2**31 <= a < 2**31, a < 2**63) if type(a) is int else
-                  float if type(a) is float else (type(a), a) for a in args])
+def _int_spec(a: int) -> int:
+    """An integer's specialisation as bits: == 1, divisible by 16, outside int32, outside int64."""
+    spec = _INT_SPECS[a] = (a == 1) | (a & 15 == 0) << 1 | (not -2**31 <= a < 2**31) << 2 | (a >= 2**63) << 3
+    if len(_INT_SPECS) > 65536:   # shapes that never repeat: start again rather than grow
+        _INT_SPECS.clear()
+    return spec
 
 
-def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any) -> None:
+def _launch_signature(args: tuple) -> list:
+    """What Triton's launch specialises each runtime argument on, or more (a refinement), as one
+    flat list: a tensor's dtype and 16-byte alignment; an integer's being 1, its divisibility by 16
+    and its width (i32 / i64 / u64), kept per value in ``_INT_SPECS``; a float is a float; anything
+    else its type and value. Triton 3.6 ``runtime/jit.py`` ``create_function_from_signature``
+    (``specialize_impl``). A plain loop: this runs on every launch."""
+    key = []
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            key.append(a.dtype)
+            key.append(a.data_ptr() & 15 == 0)
+        elif type(a) is int:
+            spec = _INT_SPECS.get(a)
+            key.append(_int_spec(a) if spec is None else spec)
+        elif type(a) is float:
+            key.append(float)
+        else:
+            key.append(type(a))
+            key.append(a)
+    return key
+
+
+#: Triton's ``knobs.runtime`` (its launch hooks), found on the first direct launch.
+_TRITON_RUNTIME: Any = None
+
+
+def _direct_launch(compiled: Any) -> Any:
+    """The launcher Triton's ``CompiledKernel[grid](*args)`` ends in, with what it passes bound
+    (``compiler/compiler.py`` ``CompiledKernel.__getitem__``), or None where the kernel needs
+    what that path adds (a global or profiling scratch buffer). Triton 3.6 passes its
+    launch-hook chains and their metadata on every launch; :func:`_launch` calls this only while
+    both chains are empty, when they do nothing."""
+    global _TRITON_RUNTIME
+    meta = compiled.metadata
+    knobs = getattr(_kernels().triton, "knobs", None)
+    if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0) \
+            or knobs is None or not hasattr(compiled, "packed_metadata"):
+        return None   # a scratch buffer to allocate, or not the Triton release this was written for
+    _TRITON_RUNTIME = knobs.runtime
+    run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+
+    def launch(grid: tuple, stream: int, args: tuple, tail: tuple) -> None:
+        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, function, packed,
+            None, None, None, *args, *tail)
+
+    return launch
+
+
+def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **constexprs: Any) -> tuple | None:
     """``kernel[grid](*args, num_warps=num_warps, **constexprs)``: every kernel of this package is
     launched here. ``args`` are the kernel's runtime arguments in order; ``constexprs`` the rest.
 
@@ -313,41 +365,203 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     (``benchmarks/host_breakdown.py``), and an eager ``quantize`` call launches two kernels.
     So the compiled kernel Triton returns on a signature's first launch is kept, keyed by the
     kernel, the current device, ``num_warps``, the constexprs and what Triton specialises each
-    runtime argument on (:func:`_launch_signature`); a later launch with the same key calls it
-    directly, through Triton's public ``CompiledKernel[grid](*args)``: the launcher Triton itself
-    would reach, with the same binary, arguments and launch hooks (Triton 3.6
-    ``compiler/compiler.py``). Triton's path is taken in the interpreter and with
-    ``options().launch_cache`` off.
+    runtime argument on (:func:`_launch_signature`); a later launch with the same key goes to the
+    launcher that Triton's public ``CompiledKernel[grid](*args)`` calls, on the current stream,
+    with the same binary and arguments (:func:`_direct_launch`; through ``CompiledKernel[grid]``
+    itself while a Triton launch hook is installed, e.g. by a profiler). Triton's path is taken in
+    the interpreter and with ``options().launch_cache`` off.
+
+    Returns:
+        The cache entry ``(compiled kernel, constexpr values, direct launcher or None)`` of this
+        launch signature (what :func:`_quantize_rows` keeps in its plans); None on Triton's path.
 
     Raises:
         TypeError: a keyword argument that is not one of the kernel's constexpr parameters.
     """
-    if interpreter_mode() or not options().launch_cache:
+    if (_INTERPRETED if _INTERPRETED is not None else interpreter_mode()) or not _state.options.launch_cache:
         kernel[grid](*args, num_warps=num_warps, **constexprs, **_launch_opts())
         return
-    key = (id(kernel), torch.cuda.current_device(), num_warps, tuple(constexprs.items()),
-           _launch_signature(args))
+    device = torch.cuda.current_device()
+    key = _launch_signature(args)
+    key += (id(kernel), device, num_warps, *constexprs.items())
+    key = tuple(key)
     hit = _LAUNCHES.get(key)
     if hit is not None:
-        compiled, tail = hit
-        compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
-        return
+        compiled, tail, direct = hit
+        if direct is None or _hooks_installed():
+            compiled[grid + (1,) * (3 - len(grid))](*args, *tail)
+        else:
+            direct(grid, torch._C._cuda_getCurrentRawStream(device), args, tail)   # Triton's own stream query
+        return hit
     names = kernel.arg_names[len(args):]
     params = {p.name: p for p in kernel.params}
     if set(constexprs) - set(names) or any(not params[n].is_constexpr for n in names):
         raise TypeError(f"{kernel.__name__}: keyword arguments must be its constexprs, in order after the "
                         f"runtime arguments; got {sorted(constexprs)} for {names}")
     compiled = kernel[grid](*args, num_warps=num_warps, **constexprs, **_launch_opts())
-    _LAUNCHES[key] = (compiled, tuple(constexprs[n] if n in constexprs else params[n].default for n in names))
+    tail = tuple(constexprs[n] if n in constexprs else params[n].default for n in names)
+    entry = _LAUNCHES[key] = (compiled, tail, _direct_launch(compiled))
+    return entry
+
+
+def _hooks_installed() -> bool:
+    """Whether a Triton launch hook is installed (Triton 3.6 ``knobs.runtime``: hook chains; a
+    plain function in older releases)."""
+    enter, leave = _TRITON_RUNTIME.launch_enter_hook, _TRITON_RUNTIME.launch_exit_hook
+    return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
+
+
+#: Zeroed float32 pools for the amax kernels by device: [tensor, next free offset].
+_AMAX_POOLS: dict[int, list] = {}
+_AMAX_POOL_FLOATS = 4096   # 1024 slots of 16 bytes
+
+
+def _amax_buffer(device: torch.device) -> torch.Tensor:
+    """A zeroed float32 ``[2]`` for the amax kernels to accumulate into (``[0]`` rowwise, ``[1]``
+    columnwise), 16-byte aligned.
+
+    On a GPU's default stream it is the next 16-byte slot of a zeroed pool kept per device: one
+    ``torch.zeros`` per 1024 calls instead of an allocation and a fill kernel each (about 12 µs of
+    host time, spent before the first kernel of an eager call can start). A slot is handed out
+    once; the pool's fill ran on that stream before any kernel that uses its slots; the pool lives
+    as long as a slot does (the ``amax`` of a result is a view of it). On any other stream — a CUDA
+    graph capture (whose replays must accumulate into zeros, not into the previous replay's
+    maximum), ``torch.compile``'s CUDA graphs, whose warm-up allocates from the graphs' own memory
+    pool — and on the CPU, it is a ``torch.zeros`` of its own.
+    """
+    if device.type != "cuda":
+        return torch.zeros(2, dtype=torch.float32, device=device)
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if torch._C._cuda_getCurrentRawStream(index) != 0:   # not the default (legacy) stream
+        return torch.zeros(2, dtype=torch.float32, device=device)
+    pool = _AMAX_POOLS.get(index)
+    if pool is None or pool[1] >= _AMAX_POOL_FLOATS:
+        pool = _AMAX_POOLS[index] = [torch.zeros(_AMAX_POOL_FLOATS, dtype=torch.float32, device=device), 0]
+    i = pool[1]
+    pool[1] = i + 4
+    return pool[0][i:i + 2]
+
+
+def _amax_args(x2: torch.Tensor, buf: torch.Tensor) -> tuple:
+    """The runtime arguments of ``amax_kernel`` / ``amax_slices_kernel`` for x2 [M, K] into ``buf``."""
+    M, K = x2.shape
+    return x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1)
+
+
+def _rows_args(x2: torch.Tensor, a_row: torch.Tensor, seeds: torch.Tensor, d: torch.Tensor, s: torch.Tensor,
+               v32: torch.Tensor) -> tuple:
+    """The runtime arguments of ``quantize_rows_kernel`` for x2 [M, K] (``d``: packed codes
+    ``uint8 [M, K/2]``; ``v32``: the BF16 values ``[M, K]`` viewed as int32, or any pointer when
+    the kernel does not write them)."""
+    M, K = x2.shape
+    return (x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s, v32, K // 8, K // 16, K // 2, _INV6)
+
+
+def _rows_config(config: Mapping, K: int, values: bool, after_amax: bool) -> Mapping:
+    """The one-block-per-thread kernel's tile for rows of K elements: with the BF16 values, after an
+    amax pass, or with the amax given; ``_narrow`` where K/16 is not a multiple of that tile's NB."""
+    key = "rows_values" if values else ("rows" if after_amax else "rows_amax_given")
+    if (K // 16) % config[key]["NB"]:
+        return config[("rows_values" if values else "rows") + "_narrow"]
+    return config[key]
+
+
+def _i64(x2: torch.Tensor) -> bool:
+    """Whether the kernels must index x2 [M, K] (or outputs of M*K elements) in 64 bits."""
+    M, K = x2.shape
+    span = (M - 1) * abs(x2.stride(0)) + (K - 1) * abs(x2.stride(1)) + 1
+    return max(span, M * K) >= 2**31 - 1
+
+
+#: Launch plans of :func:`_quantize_rows` by call signature (at most ``_PLANS_MAX``).
+_ROWS_PLANS: dict[tuple, tuple] = {}
+_PLANS_MAX = 256
+
+
+def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | None,
+                   on_amax: Callable[[torch.Tensor], Any] | None = None) -> tuple | None:
+    """:func:`quantize_rowwise` where the one-block-per-thread kernel runs (1x16 blocks, no RHT,
+    ``K % 16 == 0``, unit column stride): the public ``quantize(x)``'s usual case, at a host cost
+    near that of its launches alone.
+
+    Everything that depends only on the call's signature — x2's shape, strides, dtype and
+    alignment, the device, the options in force, SR, whether ``amax`` is given — is planned on the
+    signature's first call: the kernels' tiles and constexprs, their grids and their compiled
+    kernels (the entries :func:`_launch` caches). A later call allocates the outputs and launches
+    the amax kernel (unless ``amax`` is given) and the rows kernel directly, with the arguments
+    :func:`_run` passes (:func:`_amax_args`, :func:`_rows_args`): the same binaries, bit-identical
+    results (``tests/gpu/test_kernels_gpu.py``). Returns None where the plan does not apply — the
+    interpreter, ``options().launch_cache`` off, a Triton launch hook installed, a kernel Triton
+    launches with a scratch buffer — and the caller runs :func:`_run`.
+    """
+    opts = _state.options
+    M, K = x2.shape
+    dev = x2.device
+    if (K & 15 or x2.stride(1) != 1 or not opts.rows_kernel or not opts.launch_cache
+            or (_INTERPRETED if _INTERPRETED is not None else interpreter_mode())):
+        return None
+    ptr = x2.data_ptr()
+    cur = torch.cuda.current_device()   # where Triton launches (its current stream), as in _launch
+    sig = (M, K, x2.stride(0), x2.dtype, ptr & 15 == 0, ptr & 3 == 0, cur, id(opts), sr,
+           None if amax is None else (amax.dtype, amax.data_ptr() & 15 == 0), type(generator))
+    plan = _ROWS_PLANS.get(sig)
+    if plan is not None and _TRITON_RUNTIME is not None and _hooks_installed():
+        plan = None
+    buf = _amax_buffer(dev) if amax is None else torch.empty(2, dtype=torch.float32, device=dev)
+    if plan is not None:
+        _, amax_step, rows_step = plan
+        stream = torch._C._cuda_getCurrentRawStream(cur)
+        if amax_step is not None:
+            direct, grid, tail = amax_step
+            direct(grid, stream, _amax_args(x2, buf), tail)
+    else:
+        k = _kernels()
+        cfg = opts.config["amax"]
+        BM, BK = cfg["BM"], cfg["BK"]
+        amax_step = None
+        if amax is None:
+            grid = (_cdiv(M, BM) * _cdiv(K, BK),)
+            entry = _launch(k.amax_kernel, grid, *_amax_args(x2, buf), ROW=True, ROW_RHT=False, COL_RHT=False,
+                            SIGN_MASK=0, RHT_F64=opts.rht_f64, ROUND_BF16=x2.dtype == torch.bfloat16, BM=BM, BK=BK,
+                            EVEN=(M % BM == 0 and K % BK == 0), I64=_i64(x2), num_warps=cfg["num_warps"])
+            amax_step = None if entry is None or entry[2] is None else (entry[2], grid, entry[1])
+    a_row = buf[0] if amax is None else amax   # (after the amax launch: the GPU starts sooner)
+    if on_amax is not None and amax is None:
+        on_amax(a_row)
+    d = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
+    s = torch.empty(M, K // 16, dtype=torch.uint8, device=dev)
+    seeds = _seeds(generator, dev) if sr else buf   # buf: a dummy pointer when not SR (as in _run)
+    args = _rows_args(x2, a_row, seeds, d, s, buf)
+    if plan is not None and seeds.data_ptr() & 15 == 0:
+        direct, grid, tail = rows_step
+        direct(grid, stream, args, tail)
+    else:
+        cfg = _rows_config(opts.config, K, False, amax is None)
+        BM, NB = cfg["BM"], cfg["NB"]
+        grid = (_cdiv(M, BM), _cdiv(K // 16, NB))
+        entry = _launch(_kernels().quantize_rows_kernel, grid, *args, SR=sr, VALUES=False,
+                        WORDS=x2.dtype == torch.bfloat16 and ptr & 3 == 0 and x2.stride(0) % 2 == 0, BM=BM, NB=NB,
+                        REVERSE=amax is None, EVEN=(K // 16) % NB == 0 and M % BM == 0, I64=_i64(x2),
+                        num_warps=cfg["num_warps"])
+        if plan is None and entry is not None and entry[2] is not None and (amax is not None or amax_step is not None) \
+                and seeds.data_ptr() & 15 == 0:
+            if len(_ROWS_PLANS) >= _PLANS_MAX:
+                _ROWS_PLANS.clear()
+            _ROWS_PLANS[sig] = (opts, amax_step, (entry[2], grid, entry[1]))   # opts kept: its id stays its own
+    if sr and isinstance(generator, SRStream):
+        generator.advance()   # after the kernel that read its keys in place (same stream)
+    return d, s.view(torch.float8_e4m3fn), a_row
 
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
-         sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False)):
+         sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
+         on_amax: Callable[[torch.Tensor], Any] | None = None):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
     kernel that runs can (the one-block-per-thread rowwise kernel, the 16-slice kernel); the
-    last two results are those tensors or ``None``."""
+    last two results are those tensors or ``None``. ``on_amax``: called with the rowwise amax
+    (the columnwise one without ``row``) once the amax kernel is launched, when it runs."""
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
@@ -359,27 +573,22 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     need_col_amax = col and not block2d and amax_col is None
     # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|. Zeroed only
     # when the amax kernel accumulates into them (else a dummy pointer: no fill kernel launched)
-    alloc = torch.zeros if (need_row_amax or need_col_amax) else torch.empty
-    buf = alloc(2, dtype=torch.float32, device=dev)
-    span = (M - 1) * abs(x2.stride(0)) + (K - 1) * abs(x2.stride(1)) + 1
-    i64 = max(span, M * K) >= 2**31 - 1
+    buf = _amax_buffer(dev) if (need_row_amax or need_col_amax) else torch.empty(2, dtype=torch.float32, device=dev)
+    i64 = _i64(x2)
     if need_row_amax or need_col_amax:
         do_row = need_row_amax or (need_col_amax and not col_rht)
         do_col_rht = need_col_amax and col_rht
         if do_col_rht and opts.slices and M % 16 == 0 and not row_rht:
             a_cfg = config["amax_slices"]
             G, BK = a_cfg["G"], a_cfg["BK"]
-            _launch(k.amax_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),),
-                x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1), ROW=do_row, COL_RHT=True,
+            _launch(k.amax_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),), *_amax_args(x2, buf), ROW=do_row, COL_RHT=True,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
                 num_warps=a_cfg["num_warps"])
         else:
             a_cfg = config["amax"]
             BM, BK = a_cfg["BM"], a_cfg["BK"]
-            _launch(k.amax_kernel, (_cdiv(M, BM) * _cdiv(K, BK),),
-                x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1),
-                ROW=do_row, ROW_RHT=row_rht, COL_RHT=do_col_rht,
+            _launch(k.amax_kernel, (_cdiv(M, BM) * _cdiv(K, BK),), *_amax_args(x2, buf), ROW=do_row, ROW_RHT=row_rht, COL_RHT=do_col_rht,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
                 EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
                 num_warps=a_cfg["num_warps"])
@@ -390,6 +599,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         a_col = amax_col
     else:
         a_col = buf[1] if col_rht else buf[0]
+    if on_amax is not None and (need_row_amax if row else need_col_amax):
+        on_amax(a_row if row else a_col)
 
     Mh, Kh, M16, K16 = -(-M // 2), -(-K // 2), -(-M // 16), -(-K // 16)
     u8 = torch.uint8
@@ -405,15 +616,13 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
 
     def launch(row_: bool, col_: bool) -> None:
         if opts.rows_kernel and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
-            key = "rows_values" if values[0] else "rows"
-            cfg = config[key if (K // 16) % config[key]["NB"] == 0 else key + "_narrow"]
+            cfg = _rows_config(config, K, values[0], reverse)
             BM, NB = cfg["BM"], cfg["NB"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
             # BF16 pairs loaded as int32 words where the rows are 4-byte aligned
             words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
             _launch(k.quantize_rows_kernel, (_cdiv(M, BM), _cdiv(K // 16, NB)),
-                x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s,
-                dummy if v is None else v.view(torch.int32), Kh // 4, K16, K // 2, _INV6,
+                *_rows_args(x2, a_row, seeds, d, s, dummy if v is None else v.view(torch.int32)),
                 SR=sr, VALUES=v is not None, WORDS=words, BM=BM, NB=NB, REVERSE=reverse,
                 EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"])
             out_v[0] = v
@@ -457,8 +666,9 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernels that read its keys in place (same stream)
     f8 = torch.float8_e4m3fn
-    return (d, None if s is None else s.view(f8), a_row.reshape(()),
-            dt, None if st is None else st.view(f8), a_col.reshape(()), out_v[0], out_v[1])
+    scalar = lambda t: t if t.dim() == 0 else t.reshape(())  # noqa: E731  (buf[i] is 0-d already)
+    return (d, None if s is None else s.view(f8), scalar(a_row),
+            dt, None if st is None else st.view(f8), scalar(a_col), out_v[0], out_v[1])
 
 
 # ----------------------------------------------------------------------------- public API
@@ -513,13 +723,18 @@ def covers_rowwise_columnwise(x: torch.Tensor, *, block: str, rounding: str, rht
 
 def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False,
                      sign_mask: int = 0, generator: torch.Generator | None = None,
-                     amax: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     amax: torch.Tensor | None = None,
+                     on_amax: Callable[[torch.Tensor], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """NVFP4 codes, block scales and amax of ``x`` [..., K] quantized along ``K``.
 
     The kernels behind ``nvfp4lab.quantize(x, block=, rht=, rounding=, amax=)``: one amax
     kernel (unless ``amax``, a 0-d float32 tensor on ``x``'s device, is given), then one
     quantize kernel. A transposed view (``x = y.t()``, ``y`` contiguous) is read in place
     through the columnwise kernel. Call only where :func:`covers_quantize` is true.
+
+    ``on_amax``, when the amax kernel runs, is called with the 0-d amax it computes as soon as that
+    kernel is launched, before the quantize kernel: a host read started there (``quantize``'s NaN
+    check) waits for the amax alone, while the quantize kernel runs.
 
     Returns:
         ``(data, scale, amax)``: ``uint8 [M, ceil(K/2)]`` packed E2M1 codes (low nibble first),
@@ -533,11 +748,14 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
         # x2 = y.t() with y [K, M] contiguous: quantize x2 along K == columnwise of y along its rows
         _, _, _, data, scale, amax_t, _, _ = _run(
             x2.t(), row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
-            generator=generator, amax_row=amax if block2d else None, amax_col=amax)
+            generator=generator, amax_row=amax if block2d else None, amax_col=amax, on_amax=on_amax)
     else:
+        fast = None if block2d or rht else _quantize_rows(x2, sr, generator, amax, on_amax)
+        if fast is not None:
+            return fast
         data, scale, amax_t, _, _, _, _, _ = _run(
             x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=sign_mask,
-            generator=generator, amax_row=amax, amax_col=None)
+            generator=generator, amax_row=amax, amax_col=None, on_amax=on_amax)
     return data, scale, amax_t
 
 

@@ -19,6 +19,7 @@ from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
 from nvfp4lab.testing import assert_nvfp4_equal, rht_rounding_boundary_block
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
+from nvfp4lab.rounding import SRStream  # noqa: E402
 from nvfp4lab.hadamard import random_hadamard_transform  # noqa: E402
 from nvfp4lab.quantize import (  # noqa: E402
     block_encode_scales, nvfp4_matmul, quantize, quantize_rowwise_columnwise, uses_kernels)
@@ -137,10 +138,13 @@ def test_rht_is_exact_where_an_fp32_butterfly_is_not():
 
 
 def test_launch_cache_launches_the_kernel_triton_would():
-    """``kernels._launch`` keeps Triton's compiled kernel per launch signature: calls that change
-    what Triton specialises on (a 16-byte-aligned or unaligned pointer, M == 1, K not a multiple
-    of 16, a transposed view) give a new entry, and every call equals Triton's own launch
-    (``launch_cache=False``) and the reference, bit for bit. Repeating a call adds no entry."""
+    """``kernels._launch`` keeps Triton's compiled kernel per launch signature, and
+    ``kernels._quantize_rows`` a launch plan per call signature: calls that change what Triton
+    specialises on (a 16-byte-aligned or unaligned pointer, M == 1, K not a multiple of 16, a
+    transposed view) give a new entry, and every call (the first, which plans, and a repeat, which
+    launches from the plan) equals Triton's own launch (``launch_cache=False``) and the reference,
+    bit for bit: RNE and SR (a ``torch.Generator``, an ``SRStream``), amax computed or given, pairs.
+    Repeating a call adds no entry."""
     base = _x((300 * 64 + 64,), torch.bfloat16, seed=5, scale=2.0)
     views = [base[:256 * 64].view(256, 64),                 # aligned
              base[1:1 + 256 * 64].view(256, 64),            # 2-byte offset: unaligned pointer
@@ -150,6 +154,8 @@ def test_launch_cache_launches_the_kernel_triton_would():
              base[:256 * 64].view(256, 64).t()]             # strides (1, 64)
     calls = [lambda v: quantize(v), lambda v: quantize(v, block="2d"),
              lambda v: quantize(v, rounding="stochastic", generator=torch.Generator(DEV).manual_seed(7)),
+             lambda v: quantize(v, rounding="stochastic", generator=SRStream(7, DEV)),
+             lambda v: quantize(v, amax=torch.tensor(3.0, device=DEV), check=False),
              lambda v: quantize(v, rht=True) if v.shape[-1] % 16 == 0 else None,
              lambda v: pair(v, rht=True, values=(True, True)) if v.shape[0] % 16 == 0 else None]
     for v in views:
@@ -170,6 +176,56 @@ def test_launch_cache_launches_the_kernel_triton_would():
                     assert torch.equal(b.values_bf16, a.values_bf16) and torch.equal(c.values_bf16, a.values_bf16)
         _same(quantize(v), _ref(v))
     assert kernels._LAUNCHES, "the launch cache was not used"
+    assert kernels._ROWS_PLANS, "no launch plan was made"
+
+
+def test_launch_plans_honour_triton_launch_hooks():
+    """With a Triton launch hook installed (as a profiler does), every launch reaches it, planned
+    calls too, and gives the same bits."""
+    from triton import knobs
+
+    x = _x((512, 256), torch.bfloat16, seed=3)
+    before = fast(x)
+    fast(x)   # planned by now
+    seen = []
+    hook = lambda metadata: seen.append(metadata.get()["name"])  # noqa: E731
+    knobs.runtime.launch_enter_hook.add(hook)
+    try:
+        q = fast(x)
+    finally:
+        knobs.runtime.launch_enter_hook.remove(hook)
+    torch.cuda.synchronize()
+    assert seen == ["amax_kernel", "quantize_rows_kernel"], seen
+    _same(q, before)
+
+
+def test_amax_buffer_slots_are_fresh_zeros_and_captures_get_their_own():
+    """``kernels._amax_buffer``: on the default stream, distinct 16-byte-aligned zeroed slots of one
+    pool, a new pool when one is used up; on another stream (a capture's) a ``torch.zeros`` of its
+    own, so that a captured quantize replays from zero every time."""
+    bufs = [kernels._amax_buffer(torch.device(DEV)) for _ in range(kernels._AMAX_POOL_FLOATS // 4 + 3)]
+    ptrs = {b.data_ptr() for b in bufs}
+    assert len(ptrs) == len(bufs) and all(p % 16 == 0 for p in ptrs)
+    assert all(torch.equal(b, torch.zeros(2, device=DEV)) for b in bufs)
+    assert bufs[0].untyped_storage().data_ptr() == bufs[1].untyped_storage().data_ptr()   # one pool
+    with torch.cuda.stream(torch.cuda.Stream()):
+        own = kernels._amax_buffer(torch.device(DEV))
+        assert own.untyped_storage().nbytes() == 8 and torch.equal(own, torch.zeros(2, device=DEV))
+    x = _x((256, 256), torch.bfloat16, seed=4)
+    eager = fast(x)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            fast(x)
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        q = quantize(x, check=False)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        _same(q, eager)
 
 
 @pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
@@ -434,3 +490,24 @@ def test_rht_fp32_butterfly_mismatch_rate():
     differ = (q.codes() != ref.codes()).sum().item()
     print(f"FP32 butterfly: {differ} of {x.numel()} codes differ from the exact RHT")
     assert differ <= 1e-5 * x.numel()
+
+
+@pytest.mark.parametrize("kw", [{}, {"block": "2d"}, {"rht": True}, {"rounding": "stochastic"}],
+                         ids=["1d", "2d", "rht", "sr"])
+def test_the_check_reads_the_amax_early_and_still_raises_on_nan(kw):
+    """``quantize(x)`` on CUDA starts its host read of the amax once the amax kernel is launched
+    (it then overlaps the quantize kernel): a NaN still raises and an Inf still warns, on a call
+    that plans its launches and on one that replays the plan, and a clean input gives the bits of
+    ``check=False``."""
+    x = _x((512, 256), torch.bfloat16, seed=9)
+    gen = (lambda: {"generator": torch.Generator(DEV).manual_seed(1)}) if kw.get("rounding") else dict  # noqa: E731
+    for _ in range(2):
+        _same(quantize(x, **kw, **gen()), quantize(x, check=False, **kw, **gen()))
+    xn, xi = x.clone(), x.clone()
+    xn[3, 5] = float("nan")
+    xi[7, 1] = float("inf")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="NaN"):
+            quantize(xn, **kw, **gen())
+        with pytest.warns(RuntimeWarning, match="Inf"):
+            quantize(xi, **kw, **gen())
