@@ -28,7 +28,10 @@ E2M1 code is computed with FP32 operations (the minimum of three exact candidate
 BF16 rounding uses the hardware conversion; the rowwise RNE kernel executes about twenty SASS
 instructions per element, SR and the RHT's exact FP64 butterfly add to that. One Python call
 launches two or three kernels, each through :func:`_launch` (Triton's compiled kernel kept per launch
-signature, about half the host time of Triton's own launch), so capture small steps in CUDA graphs.
+signature and called through Triton's own launcher: a fraction of the host time of Triton's
+``kernel[grid](...)``); ``quantize(x)``'s usual case (1x16, no RHT) also keeps its tiles, grids and
+kernels per call signature (:func:`_quantize_rows`) and takes its amax buffer from a zeroed pool
+(:func:`_amax_buffer`). Capture small steps in CUDA graphs all the same.
 
 Where the kernels run: CUDA tensors when Triton is installed; CPU tensors only in Triton's
 interpreter (``TRITON_INTERPRET=1`` set before this package is first used), which the CPU
@@ -119,8 +122,9 @@ class KernelOptions:
             copy of inputs and outputs more, the launch overhead of ~20 kernels gone); False: the
             kernels launched one by one.
         launch_cache: launch a kernel whose launch signature was seen before through the compiled
-            kernel Triton returned for it (:func:`_launch`: the same binary and arguments, about half
-            the host time); False: Triton's own launch every time.
+            kernel Triton returned for it (:func:`_launch`: the same binary and arguments, a
+            fraction of the host time), and plan ``quantize(x)``'s launches per call signature
+            (:func:`_quantize_rows`); False: Triton's own launch every time.
         interpret_on_cpu: in Triton's interpreter (``TRITON_INTERPRET=1``), run the kernels on CPU
             tensors. Off by default: the interpreter is numpy, far slower than the PyTorch
             reference; the CPU tests of the kernels turn it on.
