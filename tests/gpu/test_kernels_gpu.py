@@ -203,16 +203,19 @@ def test_amax_buffer_slots_are_fresh_zeros_and_captures_get_their_own():
     """``kernels._amax_buffer``: on the default stream, distinct 16-byte-aligned zeroed slots of one
     pool, a new pool when one is used up; on another stream (a capture's) a ``torch.zeros`` of its
     own, so that a captured quantize replays from zero every time."""
-    bufs = [kernels._amax_buffer(torch.device(DEV)) for _ in range(kernels._AMAX_POOL_FLOATS // 4 + 3)]
+    with torch.cuda.stream(torch.cuda.default_stream()):   # whatever stream earlier tests left current
+        bufs = [kernels._amax_buffer(torch.device(DEV)) for _ in range(kernels._AMAX_POOL_FLOATS // 4 + 3)]
     ptrs = {b.data_ptr() for b in bufs}
     assert len(ptrs) == len(bufs) and all(p % 16 == 0 for p in ptrs)
     assert all(torch.equal(b, torch.zeros(2, device=DEV)) for b in bufs)
     assert bufs[0].untyped_storage().data_ptr() == bufs[1].untyped_storage().data_ptr()   # one pool
+    assert bufs[0].untyped_storage().data_ptr() != bufs[-1].untyped_storage().data_ptr()  # then the next
     with torch.cuda.stream(torch.cuda.Stream()):
         own = kernels._amax_buffer(torch.device(DEV))
         assert own.untyped_storage().nbytes() == 8 and torch.equal(own, torch.zeros(2, device=DEV))
     x = _x((256, 256), torch.bfloat16, seed=4)
-    eager = fast(x)
+    with torch.cuda.stream(torch.cuda.default_stream()):
+        eager = fast(x)
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
