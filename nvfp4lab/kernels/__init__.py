@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import itertools
 import math
 import os
 from types import MappingProxyType
@@ -365,7 +366,7 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     launched here. ``args`` are the kernel's runtime arguments in order; ``constexprs`` the rest.
 
     Triton's own launch binds the arguments, builds its cache key from them and checks the
-    kernel's globals on every call: 25–34 µs of host time per kernel on the lent H200's hosts
+    kernel's globals on every call: 25–35 µs of host time per kernel on the lent H200's hosts
     (``benchmarks/host_breakdown.py``), and an eager ``quantize`` call launches two kernels.
     So the compiled kernel Triton returns on a signature's first launch is kept, keyed by the
     kernel, the current device, ``num_warps``, the constexprs and what Triton specialises each
@@ -415,8 +416,8 @@ def _hooks_installed() -> bool:
     return bool(getattr(enter, "calls", enter) or getattr(leave, "calls", leave))
 
 
-#: Zeroed float32 pools for the amax kernels by device: [tensor, next free offset].
-_AMAX_POOLS: dict[int, list] = {}
+#: Zeroed float32 pools for the amax kernels by device: (tensor, slot counter).
+_AMAX_POOLS: dict[int, tuple[torch.Tensor, Iterator[int]]] = {}
 _AMAX_POOL_FLOATS = 4096   # 1024 slots of 16 bytes
 
 
@@ -439,11 +440,13 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
     if torch._C._cuda_getCurrentRawStream(index) != 0:   # not the default (legacy) stream
         return torch.zeros(2, dtype=torch.float32, device=device)
     pool = _AMAX_POOLS.get(index)
-    if pool is None or pool[1] >= _AMAX_POOL_FLOATS:
-        pool = _AMAX_POOLS[index] = [torch.zeros(_AMAX_POOL_FLOATS, dtype=torch.float32, device=device), 0]
-    i = pool[1]
-    pool[1] = i + 4
-    return pool[0][i:i + 2]
+    if pool is not None:
+        i = 4 * next(pool[1])   # one C call: two threads never get the same slot
+        if i < _AMAX_POOL_FLOATS:
+            return pool[0][i:i + 2]
+    zeros = torch.zeros(_AMAX_POOL_FLOATS, dtype=torch.float32, device=device)
+    _AMAX_POOLS[index] = (zeros, itertools.count(1))
+    return zeros[0:2]
 
 
 def _amax_args(x2: torch.Tensor, buf: torch.Tensor) -> tuple:
@@ -575,8 +578,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     round_bf16 = x2.dtype == torch.bfloat16
     need_row_amax = (row or block2d) and amax_row is None
     need_col_amax = col and not block2d and amax_col is None
-    # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|. Zeroed only
-    # when the amax kernel accumulates into them (else a dummy pointer: no fill kernel launched)
+    # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|. Zeroed (a
+    # slot of the pool) only when the amax kernel accumulates into them (else a dummy pointer)
     buf = _amax_buffer(dev) if (need_row_amax or need_col_amax) else torch.empty(2, dtype=torch.float32, device=dev)
     i64 = _i64(x2)
     if need_row_amax or need_col_amax:

@@ -203,6 +203,7 @@ def test_amax_buffer_slots_are_fresh_zeros_and_captures_get_their_own():
     """``kernels._amax_buffer``: on the default stream, distinct 16-byte-aligned zeroed slots of one
     pool, a new pool when one is used up; on another stream (a capture's) a ``torch.zeros`` of its
     own, so that a captured quantize replays from zero every time."""
+    kernels._AMAX_POOLS.clear()   # a pool of its own, from the first slot
     with torch.cuda.stream(torch.cuda.default_stream()):   # whatever stream earlier tests left current
         bufs = [kernels._amax_buffer(torch.device(DEV)) for _ in range(kernels._AMAX_POOL_FLOATS // 4 + 3)]
     ptrs = {b.data_ptr() for b in bufs}
