@@ -473,6 +473,36 @@ def _rows_config(config: Mapping, K: int, values: bool, after_amax: bool) -> Map
     return config[key]
 
 
+def _launch_amax(x2: torch.Tensor, buf: torch.Tensor, config: Mapping, *, row: bool, row_rht: bool, col_rht: bool,
+                 mask: int, rht_f64: bool, i64: bool) -> tuple[tuple | None, tuple]:
+    """Launch ``amax_kernel`` on x2 [M, K] into ``buf`` (its tile from ``config["amax"]``); returns
+    :func:`_launch`'s cache entry and the grid."""
+    M, K = x2.shape
+    cfg = config["amax"]
+    BM, BK = cfg["BM"], cfg["BK"]
+    grid = (_cdiv(M, BM) * _cdiv(K, BK),)
+    entry = _launch(_kernels().amax_kernel, grid, *_amax_args(x2, buf), ROW=row, ROW_RHT=row_rht, COL_RHT=col_rht,
+                    SIGN_MASK=mask, RHT_F64=rht_f64, ROUND_BF16=x2.dtype == torch.bfloat16, BM=BM, BK=BK,
+                    EVEN=(M % BM == 0 and K % BK == 0), I64=i64, num_warps=cfg["num_warps"])
+    return entry, grid
+
+
+def _launch_rows(x2: torch.Tensor, args: tuple, config: Mapping, *, sr: bool, values: bool, after_amax: bool,
+                 i64: bool) -> tuple[tuple | None, tuple]:
+    """Launch ``quantize_rows_kernel`` on x2 [M, K] with ``args`` (:func:`_rows_args`), its tile from
+    :func:`_rows_config`; returns :func:`_launch`'s cache entry and the grid."""
+    M, K = x2.shape
+    cfg = _rows_config(config, K, values, after_amax)
+    BM, NB = cfg["BM"], cfg["NB"]
+    grid = (_cdiv(M, BM), _cdiv(K // 16, NB))
+    # BF16 pairs loaded as int32 words where the rows are 4-byte aligned
+    words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
+    entry = _launch(_kernels().quantize_rows_kernel, grid, *args, SR=sr, VALUES=values, WORDS=words, BM=BM, NB=NB,
+                    REVERSE=after_amax, EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64,
+                    num_warps=cfg["num_warps"])
+    return entry, grid
+
+
 def _i64(x2: torch.Tensor) -> bool:
     """Whether the kernels must index x2 [M, K] (or outputs of M*K elements) in 64 bits."""
     M, K = x2.shape
@@ -522,15 +552,10 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
             direct, grid, tail = amax_step
             direct(grid, stream, _amax_args(x2, buf), tail)
     else:
-        k = _kernels()
-        cfg = opts.config["amax"]
-        BM, BK = cfg["BM"], cfg["BK"]
         amax_step = None
         if amax is None:
-            grid = (_cdiv(M, BM) * _cdiv(K, BK),)
-            entry = _launch(k.amax_kernel, grid, *_amax_args(x2, buf), ROW=True, ROW_RHT=False, COL_RHT=False,
-                            SIGN_MASK=0, RHT_F64=opts.rht_f64, ROUND_BF16=x2.dtype == torch.bfloat16, BM=BM, BK=BK,
-                            EVEN=(M % BM == 0 and K % BK == 0), I64=_i64(x2), num_warps=cfg["num_warps"])
+            entry, grid = _launch_amax(x2, buf, opts.config, row=True, row_rht=False, col_rht=False, mask=0,
+                                       rht_f64=opts.rht_f64, i64=_i64(x2))
             amax_step = None if entry is None or entry[2] is None else (entry[2], grid, entry[1])
     a_row = buf[0] if amax is None else amax   # (after the amax launch: the GPU starts sooner)
     if on_amax is not None and amax is None:
@@ -543,13 +568,8 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
         direct, grid, tail = rows_step
         direct(grid, stream, args, tail)
     else:
-        cfg = _rows_config(opts.config, K, False, amax is None)
-        BM, NB = cfg["BM"], cfg["NB"]
-        grid = (_cdiv(M, BM), _cdiv(K // 16, NB))
-        entry = _launch(_kernels().quantize_rows_kernel, grid, *args, SR=sr, VALUES=False,
-                        WORDS=x2.dtype == torch.bfloat16 and ptr & 3 == 0 and x2.stride(0) % 2 == 0, BM=BM, NB=NB,
-                        REVERSE=amax is None, EVEN=(K // 16) % NB == 0 and M % BM == 0, I64=_i64(x2),
-                        num_warps=cfg["num_warps"])
+        entry, grid = _launch_rows(x2, args, opts.config, sr=sr, values=False, after_amax=amax is None,
+                                   i64=_i64(x2))
         if plan is None and entry is not None and entry[2] is not None and (amax is not None or amax_step is not None) \
                 and seeds.data_ptr() & 15 == 0:
             if len(_ROWS_PLANS) >= _PLANS_MAX:
@@ -593,12 +613,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
                 num_warps=a_cfg["num_warps"])
         else:
-            a_cfg = config["amax"]
-            BM, BK = a_cfg["BM"], a_cfg["BK"]
-            _launch(k.amax_kernel, (_cdiv(M, BM) * _cdiv(K, BK),), *_amax_args(x2, buf), ROW=do_row, ROW_RHT=row_rht, COL_RHT=do_col_rht,
-                SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
-                EVEN=(M % BM == 0 and K % BK == 0), I64=i64,
-                num_warps=a_cfg["num_warps"])
+            _launch_amax(x2, buf, config, row=do_row, row_rht=row_rht, col_rht=do_col_rht, mask=mask, rht_f64=rf64,
+                         i64=i64)
     a_row = amax_row if amax_row is not None else buf[0]
     if block2d:
         a_col = a_row
@@ -623,15 +639,9 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
 
     def launch(row_: bool, col_: bool) -> None:
         if opts.rows_kernel and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
-            cfg = _rows_config(config, K, values[0], reverse)
-            BM, NB = cfg["BM"], cfg["NB"]
             v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
-            # BF16 pairs loaded as int32 words where the rows are 4-byte aligned
-            words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
-            _launch(k.quantize_rows_kernel, (_cdiv(M, BM), _cdiv(K // 16, NB)),
-                *_rows_args(x2, a_row, seeds, d, s, dummy if v is None else v.view(torch.int32)),
-                SR=sr, VALUES=v is not None, WORDS=words, BM=BM, NB=NB, REVERSE=reverse,
-                EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64, num_warps=cfg["num_warps"])
+            _launch_rows(x2, _rows_args(x2, a_row, seeds, d, s, dummy if v is None else v.view(torch.int32)), config,
+                         sr=sr, values=v is not None, after_amax=reverse, i64=i64)
             out_v[0] = v
             return
         use_slices = opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
