@@ -19,13 +19,18 @@ Measured side by side in one run on one device and written with provenance to
    ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager (NVFP4 also without the
    layer graphs), ``compile``, ``cuda_graph`` (with the optimizer in the graph).
 
-Timings come from :mod:`nvfp4lab.timing` (medians). ``--smoke`` runs tiny shapes on any device.
+Timings come from :mod:`nvfp4lab.timing` (medians). Sections 1 and 2 repeat their measurements in
+``--rounds`` rounds (default 5), the two sides of each ratio back to back within a round, and report
+medians over the rounds with the ratios' spread: single runs of the same comparison on one machine
+differed by up to ~10% (the BF16 baseline of a captured step, an eager call's host time).
+``--smoke`` runs tiny shapes on any device.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import statistics
 import sys
 import tempfile
 from pathlib import Path
@@ -40,7 +45,7 @@ from nvfp4lab.capabilities import require_device  # noqa: E402
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
-from nvfp4lab.timing import bench_ms, graph_ms, median_ms  # noqa: E402
+from nvfp4lab.timing import bench_ms, capture, median_ms  # noqa: E402
 from nvfp4lab.training import TrainConfig, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -50,8 +55,16 @@ def _log(*args: Any) -> None:
     print("[bench_api]", *args, file=sys.stderr, flush=True)
 
 
-def bench_quantize(device: str, n: int) -> dict[str, Any]:
-    """Section 1: the public ``quantize`` call against its kernels and the one-pass limit."""
+def _spread(values: list[float]) -> dict[str, Any]:
+    """Median, min and max of one figure over the rounds."""
+    return {"median": statistics.median(values), "min": min(values), "max": max(values)}
+
+
+def bench_quantize(device: str, n: int, rounds: int) -> dict[str, Any]:
+    """Section 1: the public ``quantize`` call against its kernels and the one-pass limit.
+
+    Each call is timed ``rounds`` times, eager and captured alternately (one capture per call):
+    the medians are reported, and each eager/kernels ratio is the median of the rounds' ratios."""
     x = torch.randn(n, n, device=device).to(torch.bfloat16)
     dst = torch.empty_like(x)
     copy_ms = bench_ms(lambda: dst.copy_(x), device)
@@ -66,24 +79,32 @@ def bench_quantize(device: str, n: int) -> dict[str, Any]:
                                                             {"launch_cache": False}),
         "quantize(x, amax=a)": (lambda: quantize(x, amax=amax), {}),
         "quantize(x, amax=a, check=False)": (lambda: quantize(x, amax=amax, check=False), {}),
+        "x.abs().amax()": (lambda: x.abs().amax(), {}),   # PyTorch, for scale: not ours
     }
     rows = []
     for name, (fn, opts) in calls.items():
+        captured = device == "cuda" and ("check=False" in name or name == "x.abs().amax()")
+        eager, kern = [], []
         with kernels.use_options(**opts):
-            eager = median_ms(fn, device, iters=50, warmup=3)
-        row = {"call": name, "eager_ms": eager, "eager_frac_one_pass": limit_ms / eager}
-        if device == "cuda" and "check=False" in name:
-            kern = graph_ms(fn)
-            row.update(kernels_ms=kern, kernels_frac_one_pass=limit_ms / kern, eager_over_kernels=eager / kern)
+            graph = capture(fn)[0] if captured else None
+            for _ in range(rounds):
+                eager.append(median_ms(fn, device, iters=50, warmup=3))
+                if graph is not None:
+                    kern.append(bench_ms(graph.replay, device))
+        del graph
+        row = {"call": name, "eager_ms": statistics.median(eager), "eager_ms_rounds": eager}
+        if name != "x.abs().amax()":
+            row["eager_frac_one_pass"] = limit_ms / row["eager_ms"]
+        if kern:
+            ratios = [e / k for e, k in zip(eager, kern)]
+            row.update(kernels_ms=statistics.median(kern), kernels_ms_rounds=kern,
+                       eager_over_kernels=statistics.median(ratios), eager_over_kernels_spread=_spread(ratios))
+            if name != "x.abs().amax()":
+                row["kernels_frac_one_pass"] = limit_ms / row["kernels_ms"]
         rows.append(row)
         _log(row)
-    torch_ref = lambda: x.abs().amax()  # noqa: E731
-    ref = {"call": "x.abs().amax()", "eager_ms": median_ms(torch_ref, device, iters=50, warmup=3)}
-    if device == "cuda":
-        ref["kernels_ms"] = graph_ms(torch_ref)
-        ref["eager_over_kernels"] = ref["eager_ms"] / ref["kernels_ms"]
-    _log(ref)
-    return {"n": n, "dtype": "bfloat16", "copy_GBps": copy_gbps, "one_pass_bytes": one_pass_bytes,
+    ref = rows.pop()
+    return {"n": n, "dtype": "bfloat16", "rounds": rounds, "copy_GBps": copy_gbps, "one_pass_bytes": one_pass_bytes,
             "one_pass_limit_ms": limit_ms, "calls": rows, "torch_reference": ref}
 
 
@@ -95,8 +116,13 @@ def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Calla
     return step
 
 
-def bench_linear(device: str, shapes: list[tuple[int, int, int]]) -> list[dict[str, Any]]:
-    """Section 2: NVFP4Linear vs BF16 nn.Linear, forward+backward, eager / compiled / captured."""
+def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
+    """Section 2: NVFP4Linear vs BF16 nn.Linear, forward+backward, eager / compiled / captured.
+
+    Every layer is built (compiled, captured) once per mode; then each of ``rounds`` rounds times
+    every mode for BF16 and right after for NVFP4, so that the two sides of a ratio are measured
+    back to back (the GPU's clocks and the host's state drift between rounds). ``ms`` are the
+    medians over the rounds, ``vs_bf16`` the medians of the rounds' ratios, with their spread."""
     rows = []
     for M, K, N in shapes:
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -105,22 +131,43 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]]) -> list[dict[s
             "bf16_nn.Linear": lambda: torch.nn.Linear(K, N, bias=False, device=device, dtype=torch.bfloat16),
             "nvfp4_NVFP4Linear": lambda: NVFP4Linear(K, N, bias=False, device=device, dtype=torch.bfloat16),
         }
-        times: dict[str, dict[str, float | None]] = {}
+        torch._dynamo.reset()
+        timers: dict[str, dict[str, Callable[[], float]]] = {}
+        graphs = []
         for name, factory in make.items():
-            t: dict[str, float | None] = {}
-            t["eager"] = median_ms(_fwd_bwd(factory(), x, gy), device, iters=20, warmup=3)
+            t: dict[str, Callable[[], float]] = {}
+            step = _fwd_bwd(factory(), x, gy)
+            t["eager"] = lambda step=step: median_ms(step, device, iters=20, warmup=3)
             if name.startswith("nvfp4"):
-                with kernels.use_options(layer_graphs=False):
-                    t["eager_no_graphs"] = median_ms(_fwd_bwd(factory(), x, gy), device, iters=20, warmup=3)
-            torch._dynamo.reset()
-            t["compile"] = median_ms(_fwd_bwd(torch.compile(factory()), x, gy), device, iters=20, warmup=3)
-            t["captured"] = graph_ms(_fwd_bwd(factory(), x, gy)) if device == "cuda" else None
-            times[name] = t
-            _log(M, K, N, name, t)
+                step_ng = _fwd_bwd(factory(), x, gy)
+
+                def no_graphs(step_ng=step_ng) -> float:
+                    with kernels.use_options(layer_graphs=False):
+                        return median_ms(step_ng, device, iters=20, warmup=3)
+                t["eager_no_graphs"] = no_graphs
+            step_c = _fwd_bwd(torch.compile(factory()), x, gy)
+            t["compile"] = lambda step_c=step_c: median_ms(step_c, device, iters=20, warmup=3)
+            if device == "cuda":
+                graph = capture(_fwd_bwd(factory(), x, gy))[0]
+                graphs.append(graph)
+                t["captured"] = lambda graph=graph: bench_ms(graph.replay, device)
+            timers[name] = t
+        times: dict[str, dict[str, list[float]]] = {name: {m: [] for m in t} for name, t in timers.items()}
+        modes = list(timers["nvfp4_NVFP4Linear"])
+        for _ in range(rounds):
+            for mode in modes:
+                for name, t in timers.items():
+                    if mode in t:
+                        times[name][mode].append(t[mode]())
         bf, nv = times["bf16_nn.Linear"], times["nvfp4_NVFP4Linear"]
-        base = {mode: bf[mode.replace("_no_graphs", "")] for mode in nv}   # BF16 has no layer graphs
-        rows.append({"M": M, "K": K, "N": N, "ms": times,
-                     "vs_bf16": {mode: (nv[mode] / base[mode] if nv[mode] and base[mode] else None) for mode in nv}})
+        ratios = {m: [a / b for a, b in zip(nv[m], bf[m.replace("_no_graphs", "")])] for m in modes}  # BF16: no layer graphs
+        ms = {name: {m: statistics.median(v) for m, v in t.items()} for name, t in times.items()}
+        for name in ms:
+            _log(M, K, N, name, ms[name])
+        rows.append({"M": M, "K": K, "N": N, "rounds": rounds, "ms": ms, "ms_rounds": times,
+                     "vs_bf16": {m: statistics.median(r) for m, r in ratios.items()},
+                     "vs_bf16_spread": {m: _spread(r) for m, r in ratios.items()}})
+        del graphs
     return rows
 
 
@@ -159,6 +206,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps (any device)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (section 3)")
+    ap.add_argument("--rounds", type=int, default=5, help="rounds of sections 1 and 2 (medians reported)")
     args = ap.parse_args(argv)
     require_device(args.device)
     device = torch.device(args.device).type
@@ -167,7 +215,9 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or ROOT / "results" / ("api_speed_smoke.json" if args.smoke else f"api_speed_{device}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(args.device)}
-    sections = {"quantize": lambda: bench_quantize(device, n), "linear": lambda: bench_linear(device, shapes)}
+    rounds = 2 if args.smoke else args.rounds
+    sections = {"quantize": lambda: bench_quantize(device, n, rounds),
+                "linear": lambda: bench_linear(device, shapes, rounds)}
     if not args.skip_training:
         sections["training"] = lambda: bench_training(device, "ci" if args.smoke else "gpt2-small",
                                                       8 if args.smoke else args.steps)
