@@ -119,10 +119,13 @@ def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Calla
 def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -> list[dict[str, Any]]:
     """Section 2: NVFP4Linear vs BF16 nn.Linear, forward+backward, eager / compiled / captured.
 
-    Every layer is built (compiled, captured) once per mode; then each of ``rounds`` rounds times
-    every mode for BF16 and right after for NVFP4, so that the two sides of a ratio are measured
-    back to back (the GPU's clocks and the host's state drift between rounds). ``ms`` are the
-    medians over the rounds, ``vs_bf16`` the medians of the rounds' ratios, with their spread."""
+    One mode after the other (eager first: compiling leaves state behind that slows later eager
+    calls of the same process), each in ``rounds`` rounds that time BF16 and right after it NVFP4,
+    so that the two sides of a ratio are measured back to back (the GPU's clocks and the host's
+    state drift between rounds). NVFP4 without its layer graphs is paired with BF16 eager timed again
+    in that mode's rounds (BF16 has no layer graphs; its ``eager_no_graphs`` figures are those).
+    ``ms`` are the medians over the rounds, ``vs_bf16`` the medians of the rounds' ratios, with their
+    spread."""
     rows = []
     for M, K, N in shapes:
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -131,43 +134,37 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
             "bf16_nn.Linear": lambda: torch.nn.Linear(K, N, bias=False, device=device, dtype=torch.bfloat16),
             "nvfp4_NVFP4Linear": lambda: NVFP4Linear(K, N, bias=False, device=device, dtype=torch.bfloat16),
         }
-        torch._dynamo.reset()
-        timers: dict[str, dict[str, Callable[[], float]]] = {}
-        graphs = []
-        for name, factory in make.items():
-            t: dict[str, Callable[[], float]] = {}
-            step = _fwd_bwd(factory(), x, gy)
-            t["eager"] = lambda step=step: median_ms(step, device, iters=20, warmup=3)
-            if name.startswith("nvfp4"):
-                step_ng = _fwd_bwd(factory(), x, gy)
 
-                def no_graphs(step_ng=step_ng) -> float:
-                    with kernels.use_options(layer_graphs=False):
-                        return median_ms(step_ng, device, iters=20, warmup=3)
-                t["eager_no_graphs"] = no_graphs
-            step_c = _fwd_bwd(torch.compile(factory()), x, gy)
-            t["compile"] = lambda step_c=step_c: median_ms(step_c, device, iters=20, warmup=3)
-            if device == "cuda":
-                graph = capture(_fwd_bwd(factory(), x, gy))[0]
-                graphs.append(graph)
-                t["captured"] = lambda graph=graph: bench_ms(graph.replay, device)
-            timers[name] = t
-        times: dict[str, dict[str, list[float]]] = {name: {m: [] for m in t} for name, t in timers.items()}
-        modes = list(timers["nvfp4_NVFP4Linear"])
-        for _ in range(rounds):
-            for mode in modes:
+        def timer(name: str, mode: str) -> Callable[[], float]:
+            layer = make[name]()
+            if mode == "captured":
+                graph = capture(_fwd_bwd(layer, x, gy))[0]
+                return lambda: bench_ms(graph.replay, device)
+            step = _fwd_bwd(torch.compile(layer) if mode == "compile" else layer, x, gy)
+            graphs = not (mode == "eager_no_graphs" and name.startswith("nvfp4"))
+
+            def eager() -> float:
+                with kernels.use_options(layer_graphs=graphs):
+                    return median_ms(step, device, iters=20, warmup=3)
+            return eager
+
+        modes = ["eager", "eager_no_graphs", "compile"] + (["captured"] if device == "cuda" else [])
+        times: dict[str, dict[str, list[float]]] = {name: {} for name in make}
+        torch._dynamo.reset()
+        for mode in modes:
+            timers = {name: timer(name, mode) for name in make}
+            for _ in range(rounds):
                 for name, t in timers.items():
-                    if mode in t:
-                        times[name][mode].append(t[mode]())
+                    times[name].setdefault(mode, []).append(t())
+            del timers
         bf, nv = times["bf16_nn.Linear"], times["nvfp4_NVFP4Linear"]
-        ratios = {m: [a / b for a, b in zip(nv[m], bf[m.replace("_no_graphs", "")])] for m in modes}  # BF16: no layer graphs
+        ratios = {m: [a / b for a, b in zip(nv[m], bf[m])] for m in modes}
         ms = {name: {m: statistics.median(v) for m, v in t.items()} for name, t in times.items()}
         for name in ms:
             _log(M, K, N, name, ms[name])
         rows.append({"M": M, "K": K, "N": N, "rounds": rounds, "ms": ms, "ms_rounds": times,
                      "vs_bf16": {m: statistics.median(r) for m, r in ratios.items()},
                      "vs_bf16_spread": {m: _spread(r) for m, r in ratios.items()}})
-        del graphs
     return rows
 
 
