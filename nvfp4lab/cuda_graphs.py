@@ -10,20 +10,29 @@ change, the stochastic-rounding stream, is a device tensor advanced in place
 signature and replayed:
 
 1. the first call with a signature runs the function directly (it compiles the Triton kernels);
-2. the second captures it, with private twins of the SR streams it draws from (so the graph does
-   not belong to one stream: layers of one shape and recipe share it, whatever their streams);
-3. every call then copies its inputs into the graph's static buffers, copies each stream's state
-   into its twin (a device copy), replays, copies the advanced state back and returns copies of
-   the static outputs (inputs and outputs each in one multi-tensor copy).
+2. a later call whose inputs (and SR stream states) sit at the addresses of an earlier call's
+   replays an *in-place* graph, captured at the second such call: it reads the inputs and
+   advances the streams where they are and writes outputs of its own, which the call returns
+   without a copy. Training reuses its activations' addresses step after step, so this is the
+   usual case. A replay would overwrite what the previous replay returned, so it runs only once
+   no caller holds those outputs any more (their storages' use counts, as ``torch.compile``'s
+   CUDA graph trees track ownership); the outputs stay allocated while the graph is kept;
+3. otherwise a *copying* graph per signature, captured at its second call with private twins of
+   the SR streams (layers of one shape and recipe share it, whatever their streams): every call
+   copies its inputs into the graph's static buffers, each stream's state into its twin, replays,
+   copies the advanced state back and returns copies of the static outputs (inputs and outputs
+   each in one multi-tensor copy).
 
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
-The price: a copy of every input and output (their bytes once more through memory) and one
-capture per signature. This is what ``torch.compile``'s ``mode="reduce-overhead"`` (CUDA graph
-trees) does for a whole model, here for one function, with copies instead of tracked ownership.
+The price: one capture per signature (and per input addresses), the in-place graphs' outputs kept
+between calls, and in the copying tier a copy of every input and output. This is what
+``torch.compile``'s ``mode="reduce-overhead"`` (CUDA graph trees) does for a whole model, here for
+one function.
 
 Graphs replayed on one CUDA stream share one memory pool: their intermediates are dead once a
-replay's outputs are cloned, and one stream runs one replay at a time.
+replay's outputs are cloned (copying tier) or written to the in-place graph's own outputs, which
+live outside the pool; one stream runs one replay at a time.
 """
 
 from __future__ import annotations
@@ -34,6 +43,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Hashable, Sequence
 
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from .rounding import SRStream
 from .timing import capture
@@ -42,10 +52,17 @@ __all__ = ["GraphedCalls"]
 
 
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs", "twins", "keep")
+    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs")
 
-    def __init__(self, graph, inputs, outputs, twins, keep) -> None:
+    def __init__(self, graph, inputs, outputs, twins, keep, refs=()) -> None:
         self.graph, self.inputs, self.outputs, self.twins, self.keep = graph, inputs, outputs, twins, keep
+        # in place: a weak reference to each output's storage and its use count while only the entry
+        # holds it (more means a caller still holds the output the last replay returned)
+        self.refs = refs
+
+    def outputs_free(self) -> bool:
+        """Whether no caller holds an output of this entry's last replay (in-place entries)."""
+        return all(torch._C._storage_Use_Count(ref.cdata) <= base for ref, base in self.refs)
 
 
 class GraphedCalls:
@@ -58,18 +75,24 @@ class GraphedCalls:
             signature is captured (shapes that keep changing would pay a capture each), with a
             ``RuntimeWarning``; :meth:`clear` starts again.
         capture_after: calls of a signature run directly before it is captured (>= 1: the first
-            call compiles the kernels outside any capture).
+            call compiles the kernels outside any capture); the same for a signature with the same
+            input addresses in the in-place tier.
+        max_in_place: in-place graphs kept (least recently used dropped first, with the outputs
+            they own); after ``2 * max_in_place`` captures no new one is made. 0 turns that tier off.
 
     Raises:
-        ValueError: ``max_entries < 1`` or ``capture_after < 1``.
+        ValueError: ``max_entries < 1``, ``capture_after < 1`` or ``max_in_place < 0``.
     """
 
-    def __init__(self, max_entries: int = 64, capture_after: int = 1) -> None:
-        if max_entries < 1 or capture_after < 1:
-            raise ValueError(f"GraphedCalls needs max_entries >= 1 and capture_after >= 1, got {max_entries}, "
-                             f"{capture_after}")
-        self.max_entries, self.capture_after = max_entries, capture_after
+    def __init__(self, max_entries: int = 64, capture_after: int = 1, max_in_place: int = 256) -> None:
+        if max_entries < 1 or capture_after < 1 or max_in_place < 0:
+            raise ValueError(f"GraphedCalls needs max_entries >= 1, capture_after >= 1 and max_in_place >= 0, got "
+                             f"{max_entries}, {capture_after}, {max_in_place}")
+        self.max_entries, self.capture_after, self.max_in_place = max_entries, capture_after, max_in_place
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
+        self._in_place: OrderedDict[Hashable, _Entry] = OrderedDict()   # by signature and input addresses
+        self._in_place_calls: dict[Hashable, int] = {}
+        self._in_place_captures = 0
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -77,12 +100,15 @@ class GraphedCalls:
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return len(self._entries)
+        return len(self._entries) + len(self._in_place)
 
     def clear(self) -> None:
         """Drop every graph and its static buffers, and forget the signatures seen."""
         with self._lock:
             self._entries.clear()
+            self._in_place.clear()
+            self._in_place_calls.clear()
+            self._in_place_captures = 0
             self._calls.clear()
             self._direct.clear()
             self._pools.clear()
@@ -90,7 +116,8 @@ class GraphedCalls:
 
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
-                 keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None) -> tuple[torch.Tensor, ...]:
+                 keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None,
+                 in_place: bool = False) -> tuple[torch.Tensor, ...]:
         """``fn(*tensors, streams=streams)``, from a CUDA graph once the signature has been seen
         ``capture_after`` times.
 
@@ -108,6 +135,10 @@ class GraphedCalls:
             keep: objects held as long as the graph.
             eligible: asked once per signature, at its first call: False makes the signature
                 always run directly (for a ``fn`` that is pure only for some inputs).
+            in_place: ``fn`` also takes ``out=`` (a tuple of tensors shaped as its outputs, which it
+                writes and returns, or None). Then a call whose inputs sit at addresses seen before
+                replays a graph that reads them where they are and writes outputs that belong to it,
+                returned without a copy (:meth:`_call_in_place`); otherwise the copies above.
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns.
@@ -122,6 +153,10 @@ class GraphedCalls:
         sig = (key, stream.device_index, stream.cuda_stream, len(streams),
                tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
         with self._lock:
+            if in_place and self.max_in_place:
+                done = self._call_in_place(fn, sig, tensors, streams, keep, stream)
+                if done is not None:
+                    return done
             entry = self._entries.get(sig)
             if entry is None:
                 n = self._calls.get(sig, 0)
@@ -158,6 +193,66 @@ class GraphedCalls:
             if full:
                 torch._foreach_copy_([outputs[i] for i in full], [entry.outputs[i] for i in full])
             return tuple(outputs)
+
+    def _call_in_place(self, fn, sig, tensors, streams, keep, stream) -> tuple[torch.Tensor, ...] | None:
+        """The in-place tier: a graph per signature and input addresses that reads the inputs where
+        they are (the addresses are part of its key, so the tensors at them are this call's) and
+        writes into output tensors of its own, allocated outside the graphs' pool; a replay returns
+        aliases of those (``detach()``: the same storage), no copy either way. The SR streams' state
+        tensors are read and advanced where they are too (their addresses are also in the key).
+        Captured at the second call with the same addresses (training reuses its activations'
+        addresses step after step). A replay would overwrite what the previous one returned, so it happens only when no
+        caller holds any of those outputs any more (their storages' use counts, as
+        ``torch.compile``'s CUDA graph trees check); otherwise, and for addresses seen once, None:
+        the copying tier runs."""
+        if self._entries.get(sig) is None and sig in self._direct:
+            return None   # ineligible or uncapturable
+        full = (sig, tuple(0 if t is None else t.data_ptr() for t in tensors),
+                tuple(s.data_ptr() for s in streams))
+        entry = self._in_place.get(full)
+        if entry is None:
+            n = self._in_place_calls.get(full, 0)
+            if n < self.capture_after or self._in_place_captures >= 2 * self.max_in_place:
+                if len(self._in_place_calls) > 16 * self.max_in_place:
+                    self._in_place_calls.clear()
+                self._in_place_calls[full] = n + 1
+                return None
+            entry = self._capture_in_place(fn, full, tensors, streams, keep, stream)
+            if entry is None:
+                return None
+        elif not entry.outputs_free():
+            return None
+        self._in_place.move_to_end(full)
+        entry.graph.replay()   # draws from and advances the streams themselves (their addresses are in the key)
+        return tuple(o.detach() for o in entry.outputs)
+
+    def _capture_in_place(self, fn, full, tensors, streams, keep, stream) -> _Entry | None:
+        # the outputs: a direct call's, kept (the graph writes into them); on twins of the streams,
+        # which that call advances and the capture, which runs nothing, does not
+        outputs = tuple(fn(*tensors, streams=tuple(SRStream(0, s.device).copy_(s) for s in streams)))
+        where = (stream.device_index, stream.cuda_stream)
+        pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
+        try:
+            graph, returned = capture(lambda: fn(*tensors, streams=streams, out=outputs), warmup=0, pool=pool,
+                                      stream=torch.cuda.Stream(stream.device), capture_error_mode="thread_local")
+            if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
+                raise RuntimeError("the function did not return the out= tensors it was given")
+        except Exception as err:  # noqa: BLE001 -- this signature then always takes the copying tier
+            self._direct.add(full)
+            self._pools.pop(where, None)
+            warnings.warn(f"nvfp4lab: an in-place CUDA graph could not be captured ({type(err).__name__}: {err}); "
+                          "these calls copy their inputs and outputs", RuntimeWarning, stacklevel=4)
+            self._in_place_calls[full] = -(2**62)   # never again
+            return None
+        del returned
+        refs = tuple((ref, torch._C._storage_Use_Count(ref.cdata))
+                     for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
+        self._in_place_captures += 1
+        entry = _Entry(graph, (), outputs, (), tuple(keep), refs)
+        self._in_place[full] = entry
+        while len(self._in_place) > self.max_in_place:
+            self._in_place.popitem(last=False)
+        return entry
 
     def _capture(self, fn, sig, tensors, streams, keep, stream) -> _Entry | None:
         inputs = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)

@@ -72,7 +72,7 @@ from .fp8_recipes import DelayedScalingLinear, FP8BlockLinear
 from .hadamard import WGRAD_SIGNS
 from .mx import MXFP4Linear, MXFP8Linear
 from .precisions import EMULATED, canonical_name
-from .quantize import NVFP4Tensor, nvfp4_matmul, pair_uses_kernels, quantize, quantize_rowwise_columnwise
+from .quantize import NVFP4Tensor, _into, nvfp4_matmul, pair_uses_kernels, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
 from .rounding import SRStream
 
@@ -128,8 +128,8 @@ class NVFP4GemmQuantizer:
         return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
-               bias: torch.Tensor | None = None) -> torch.Tensor:
-        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias)
+               bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+        return nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bias, out=out)
 
 
 class IdentityQuantizer:
@@ -323,9 +323,11 @@ def _copy_shapes(state: _LayerState, M: int, K: int, N: int) -> tuple[tuple[int,
 
 
 def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           need_dgrad: bool, need_wgrad: bool):
+           need_dgrad: bool, need_wgrad: bool, out_y: torch.Tensor | None = None):
     """The forward: ``(Y [M, N], Xᵀ copy or None, Wᵀ copy or None)``, the copies quantized now for
-    the backward, as TE does. Shared by the autograd function (eager) and the custom op (compile)."""
+    the backward, as TE does. Shared by the autograd function (eager) and the custom op (compile).
+    ``out_y``: where the Fprop GEMM writes Y (only with the default quantizer, whose ``matmul``
+    takes ``out``; the layer's CUDA graphs use it), or None for a new tensor."""
     M, K = x2d.shape
     N = weight.shape[0]
     if M == 0:
@@ -354,7 +356,7 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
         qwt = _quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise") if need_dgrad else None
         qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not state.recipe.disable_rht), "input_columnwise")
                if need_wgrad else None)
-    return state.quantizer.matmul(qx, qw, out_dtype=x2d.dtype, bias=bias), qxt, qwt   # Fprop
+    return _matmul(state, qx, qw, x2d.dtype, bias, out_y), qxt, qwt   # Fprop
 
 
 def _fprop_switched(state: _LayerState, x2d, weight, bias, need_dgrad: bool, need_wgrad: bool):
@@ -378,8 +380,11 @@ def _fprop_switched(state: _LayerState, x2d, weight, bias, need_dgrad: bool, nee
 
 
 def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
-           bias_dtype: torch.dtype | None, need_dgrad: bool, need_wgrad: bool, need_dbias: bool):
-    """The backward: ``(dX [M, K] or None, dW [N, K] or None, db [N] or None)`` from dY [M, N]."""
+           bias_dtype: torch.dtype | None, need_dgrad: bool, need_wgrad: bool, need_dbias: bool,
+           out: tuple[torch.Tensor, torch.Tensor] | None = None):
+    """The backward: ``(dX [M, K] or None, dW [N, K] or None, db [N] or None)`` from dY [M, N].
+    ``out``: (dX, dW) tensors for the Dgrad and Wgrad GEMMs to write into (as ``out_y`` of
+    :func:`_fprop`), or None."""
     M, N = dy.shape
     hp = state.high_precision
     if hp & {"dgrad", "wgrad"}:
@@ -406,13 +411,23 @@ def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torc
         qdy = _quantize(state, "dgrad", "dy", dy, "grad_output_rowwise") if need_dgrad else None
         qdyt = (_quantize(state, "wgrad", "dyt", _columnwise(dy, not recipe.disable_rht), "grad_output_columnwise")
                 if need_wgrad else None)
+    out_dx, out_dw = out if out is not None else (None, None)
     if need_dgrad:
-        dx = state.quantizer.matmul(qdy, qwt, out_dtype=x_dtype)    # Dgrad
+        dx = _matmul(state, qdy, qwt, x_dtype, None, out_dx)    # Dgrad
     if need_wgrad:
-        dw = state.quantizer.matmul(qdyt, qxt, out_dtype=w_dtype)   # Wgrad
+        dw = _matmul(state, qdyt, qxt, w_dtype, None, out_dw)   # Wgrad
     if need_dbias:
         db = dy.to(torch.float32).sum(0).to(bias_dtype)
     return dx, dw, db
+
+
+def _matmul(state: _LayerState, a, b, out_dtype: torch.dtype, bias: torch.Tensor | None,
+            out: torch.Tensor | None) -> torch.Tensor:
+    """``state.quantizer.matmul``, into ``out`` when one is given (only the default quantizer's
+    takes ``out``: the layer's graphs run only with it, :func:`_graph_stream`)."""
+    if out is None:
+        return state.quantizer.matmul(a, b, out_dtype=out_dtype, bias=bias)
+    return state.quantizer.matmul(a, b, out_dtype=out_dtype, bias=bias, out=out)
 
 
 def _bprop_switched(state: _LayerState, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad,
@@ -523,26 +538,33 @@ def _in_buffer(buf: torch.Tensor, off: int, shape: tuple, dtype: torch.dtype) ->
 
 
 def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-                  need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  need_dgrad: bool, need_wgrad: bool,
+                  out: tuple[torch.Tensor, torch.Tensor] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`_fprop` with plain tensors out: Y and one uint8 buffer holding the saved Xᵀ and Wᵀ
     copies (:func:`_saved_layout`; a copy not needed takes no bytes). What the custom op and the
-    graphs carry."""
+    graphs carry. ``out``: (Y, buffer) to write into (the layer's graphs), or None for new ones; the
+    buffer must be a previous result of this function for these shapes (its padding bytes zero)."""
+    out_y, saved = out if out is not None else (None, None)
     with torch.autocast(device_type=x2d.device.type, enabled=False):
-        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad)
+        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y)
     layout, size = _saved_layout(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad)
-    saved = torch.zeros(size, dtype=torch.uint8, device=x2d.device)   # padding bytes defined: reproducible
+    if saved is None:
+        saved = torch.zeros(size, dtype=torch.uint8, device=x2d.device)   # padding bytes defined: reproducible
     parts = [t for q in (qxt, qwt) for t in ((q.data, q.scale, q.amax) if q is not None else (None,) * 3)]
     for t, (off, shape, dtype) in zip(parts, layout):
         if t is not None and t.numel():
             _in_buffer(saved, off, shape, dtype).copy_(t)
-    return y, saved
+    return _into(out_y, y), saved
 
 
 def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: int, x_dtype: torch.dtype,
                   w_dtype: torch.dtype, bias_dtype: torch.dtype, saved_dgrad: bool, saved_wgrad: bool,
-                  need_dgrad: bool, need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                  need_dgrad: bool, need_wgrad: bool, need_dbias: bool,
+                  out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None
+                  ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """:func:`_bprop` from :func:`_fprop_packed`'s buffer (``saved_dgrad`` / ``saved_wgrad``: the
-    forward's flags, which say what it holds): (dX, dW, db), empty where not needed."""
+    forward's flags, which say what it holds): (dX, dW, db), empty where not needed. ``out``:
+    (dX, dW, db) to write into (the layer's graphs), or None for new ones."""
     M, N = dy.shape
     layout, _ = _saved_layout(state, M, K, N, saved_dgrad, saved_wgrad)
     parts = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
@@ -550,10 +572,12 @@ def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: 
     qxt = _unflat(state, *parts[:3], "input_columnwise", (kx, mx), x_dtype)
     qwt = _unflat(state, *parts[3:], "weight_columnwise", (kw, nw), w_dtype)
     with torch.autocast(device_type=dy.device.type, enabled=False):
-        dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias)
+        dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias,
+                            None if out is None else out[:2])
     empty = lambda dtype: torch.empty(0, dtype=dtype, device=dy.device)  # noqa: E731
-    return (dx if dx is not None else empty(x_dtype), dw if dw is not None else empty(w_dtype),
-            db if db is not None else empty(bias_dtype))
+    grads = (dx if dx is not None else empty(x_dtype), dw if dw is not None else empty(w_dtype),
+             db if db is not None else empty(bias_dtype))
+    return grads if out is None else tuple(_into(o, g) for o, g in zip(out, grads))
 
 
 #: The CUDA graphs of eager layer calls (``KernelOptions.layer_graphs``), shared by layers whose
@@ -596,10 +620,10 @@ def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, n
     if stream is None or not (need_dgrad or need_wgrad):   # inference: shapes vary, launches are fewer
         return _fprop_packed(state, x2d, weight, bias, need_dgrad, need_wgrad)
     opts = kernels.options()
-    return LAYER_GRAPHS(lambda x, w, b, streams: _fprop_packed(_drawing_from(state, streams), x, w, b, need_dgrad,
-                                                               need_wgrad),
+    return LAYER_GRAPHS(lambda x, w, b, streams, out=None: _fprop_packed(_drawing_from(state, streams), x, w, b,
+                                                                         need_dgrad, need_wgrad, out),
                         ("fprop", state.recipe, id(opts), need_dgrad, need_wgrad), (x2d, weight, bias),
-                        streams=(stream,), keep=(opts,),
+                        streams=(stream,), keep=(opts,), in_place=True,
                         eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
                         and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
 
@@ -612,8 +636,10 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
     if stream is None or not (need_dgrad or need_wgrad):
         return _bprop_packed(state, dy, saved, *rest)
     opts = kernels.options()
-    return LAYER_GRAPHS(lambda g, buf, streams: _bprop_packed(_drawing_from(state, streams), g, buf, *rest),
+    return LAYER_GRAPHS(lambda g, buf, streams, out=None: _bprop_packed(_drawing_from(state, streams), g, buf, *rest,
+                                                                        out=out),
                         ("bprop", state.recipe, id(opts), *rest), (dy, saved), streams=(stream,), keep=(opts,),
+                        in_place=True,
                         eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))
 
 

@@ -854,7 +854,7 @@ def _check_bias(bias: torch.Tensor | None, n: int) -> None:
 
 
 def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.float32,
-                 bias: torch.Tensor | None = None) -> torch.Tensor:
+                 bias: torch.Tensor | None = None, *, out: torch.Tensor | None = None) -> torch.Tensor:
     """Exact emulation of an NVFP4 GEMM ``a @ bᵀ (+ bias)``: ``[M, K] × [N, K] -> [M, N]``.
 
     Both operands are quantized along the shared contraction dimension ``K``. The
@@ -865,12 +865,18 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
     dtype) is then added in FP32 and the sum rounded once to ``out_dtype``. Up to FP32
     accumulation order this is what an NVFP4 tensor core computes.
 
+    ``out``: a contiguous ``[M, N]`` tensor of ``out_dtype`` to write the result into (the
+    product is the same), or None for a new tensor.
+
     Raises:
         ValueError: ``K`` differs, or one operand is RHT-rotated and the other is
             not (or with other signs): the rotation would not cancel; ``bias`` is not
-            ``[N]``.
+            ``[N]``; ``out`` is not a contiguous ``[M, N]`` tensor of ``out_dtype``.
     """
     _check_bias(bias, b.rows)
+    if out is not None and (out.shape != (a.rows, b.rows) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"out must be a contiguous [{a.rows}, {b.rows}] tensor of {out_dtype}, got {out.dtype} "
+                         f"{tuple(out.shape)} with strides {out.stride()}")
     if a.cols != b.cols:
         raise ValueError(f"contraction dimensions differ: a has K={a.cols}, b has K={b.cols}")
     if a.rht != b.rht or (
@@ -886,13 +892,20 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         amax_a = a.amax.reshape(-1, 1) if a.row_scaled else a.amax
         amax_b = b.amax.reshape(1, -1) if b.row_scaled else b.amax
         factor = E2M1_MAX * E2M1_MAX * float(a.e4m3_max) * float(b.e4m3_max)
-        return _gemm_epilogue(acc, amax_a, amax_b, out_dtype, bias, factor)
+        return _into(out, _gemm_epilogue(acc, amax_a, amax_b, out_dtype, bias, factor))
     if a.rows * a.cols * b.rows and kernels.covers_gemm(a.device, b.device, out_dtype, bias):
         # BF16 block values (exact) and a cuBLAS BF16 GEMM with FP32 accumulation, then alpha, bias, cast.
         return kernels.gemm(a.block_values(torch.bfloat16), b.block_values(torch.bfloat16), a.amax, b.amax,
-                            out_dtype, bias)
+                            out_dtype, bias, out=out)
     acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
-    return _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias)
+    return _into(out, _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias))
+
+
+def _into(out: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:
+    """``t``, or ``t`` copied into ``out`` when one is given (a path that computed a new tensor)."""
+    if out is None or out is t:
+        return t
+    return out.copy_(t)
 
 
 def _gemm_epilogue(acc: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor, out_dtype: torch.dtype,

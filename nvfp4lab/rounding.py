@@ -83,6 +83,11 @@ class SRStream:
         """
         return self._buf[2:]
 
+    def data_ptr(self) -> int:
+        """The address of the state on the device: what a CUDA graph that draws from this stream
+        reads and advances in place (:mod:`nvfp4lab.cuda_graphs` keys its in-place graphs by it)."""
+        return self._buf.data_ptr()
+
     def advance(self) -> None:
         """Move to the next keys: counter +1, keys +2 (one in-place device add)."""
         self._buf[1:].add_(self._step)

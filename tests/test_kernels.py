@@ -318,9 +318,16 @@ def test_matmul_fast_epilogue_bias_and_cast(out_dtype):
     for bb in (None, bias, bias.to(torch.bfloat16)):
         got = nvfp4_matmul(a, b, out_dtype=out_dtype, bias=bb)
         assert got.dtype == out_dtype
-        assert torch.equal(got, ref(nvfp4_matmul, a, b, out_dtype=out_dtype, bias=bb))
+        want = ref(nvfp4_matmul, a, b, out_dtype=out_dtype, bias=bb)
+        assert torch.equal(got, want)
+        for fn in (nvfp4_matmul, lambda *a, **k: ref(nvfp4_matmul, *a, **k)):   # out=: the same bits, in place
+            out = torch.full((48, 40), float("nan"), dtype=out_dtype)
+            assert fn(a, b, out_dtype=out_dtype, bias=bb, out=out) is out
+            assert torch.equal(out, want)
     with pytest.raises(ValueError, match=r"bias must be a tensor of shape \[N\] = \[40\]"):
         nvfp4_matmul(a, b, bias=torch.zeros(41))
+    with pytest.raises(ValueError, match=r"out must be a contiguous \[48, 40\] tensor"):
+        nvfp4_matmul(a, b, out_dtype=out_dtype, out=torch.empty(40, 48, dtype=out_dtype))
 
 
 def test_amax_pass_propagates_nan():

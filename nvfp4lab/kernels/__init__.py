@@ -881,7 +881,8 @@ def covers_gemm(device_a: torch.device, device_b: torch.device, out_dtype: torch
 
 
 def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
-         out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None) -> torch.Tensor:
+         out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
+         out: torch.Tensor | None = None) -> torch.Tensor:
     """The emulated NVFP4 GEMM ``cast(RN(RN(acc · alpha) + bias))`` from BF16 block values.
 
     ``a_values`` [M, K] and ``b_values`` [N, K] are the BF16 block values (``code × block
@@ -892,7 +893,8 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
     ``nvfp4lab.quantize.nvfp4_matmul``. Without a bias (and with ``options().cublas_alpha``)
     cuBLAS applies alpha itself, read from device memory (:mod:`nvfp4lab.kernels.cublas`);
     otherwise the GEMM writes FP32 and one epilogue kernel does the rest. Call only where
-    :func:`covers_gemm` is true.
+    :func:`covers_gemm` is true. ``out``: a contiguous [M, N] tensor of ``out_dtype`` to write the
+    result into (what :mod:`nvfp4lab.cuda_graphs` replays into), or None for a new one.
 
     A fused GEMM reading the packed FP4 operands was not written: the emulation's GEMM is
     compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM would
@@ -905,12 +907,16 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
         if cublas.available():
             coef = torch.empty(2, dtype=torch.float32, device=a_values.device)
             _launch(_kernels().gemm_alpha_kernel, (1,), am_a, am_b, coef, _GEMM_FACTOR, num_warps=1)
-            out = cublas.gemm_device_alpha(a_values, b_values, coef, out_dtype)
-            if out is not None:
-                return out
+            done = cublas.gemm_device_alpha(a_values, b_values, coef, out_dtype, out)
+            if done is not None:
+                return done
     acc = _mm_fp32(a_values, b_values)
     M, N = acc.shape
-    out = acc if out_dtype == torch.float32 else torch.empty(M, N, dtype=out_dtype, device=acc.device)
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or not out.is_contiguous()):
+        raise ValueError(f"gemm: out must be a contiguous [{M}, {N}] tensor of {out_dtype}, got "
+                         f"{out.dtype} {tuple(out.shape)} with strides {out.stride()}")
+    if out is None:
+        out = acc if out_dtype == torch.float32 else torch.empty(M, N, dtype=out_dtype, device=acc.device)
     bf16 = out_dtype == torch.bfloat16
     bias_c = None if bias is None else bias.contiguous()
     BM, BN = 32, 128

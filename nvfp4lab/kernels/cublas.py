@@ -93,7 +93,7 @@ def _operand(t: torch.Tensor) -> tuple[int, int] | None:
 
 
 def gemm_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha_zero: torch.Tensor,
-                      out_dtype: torch.dtype) -> torch.Tensor | None:
+                      out_dtype: torch.dtype, out: torch.Tensor | None = None) -> torch.Tensor | None:
     """``RN_out(RN32(alpha · (a @ bᵀ)))`` in one cuBLAS call, or ``None`` where it does not apply.
 
     Args:
@@ -102,10 +102,12 @@ def gemm_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha_zero: torch.Tensor
         alpha_zero: contiguous FP32 [2] on that device holding ``(alpha, 0.0)``: alpha and the
             GEMM's beta, read by the GEMM (no host sync). beta must be 0: C is the output buffer.
         out_dtype: ``torch.bfloat16`` or ``torch.float32``.
+        out: where to write the product (a contiguous [M, N] tensor of ``out_dtype`` on that
+            device, 16-byte aligned), or None for a new tensor.
     Returns:
-        A new contiguous [M, N] tensor of ``out_dtype``, or ``None`` (the caller falls back) when
-        cuBLAS was not found, the dtypes, devices, layouts or alignment do not fit, or a size
-        exceeds 32-bit cuBLAS arguments.
+        The [M, N] product (``out``, or a new contiguous tensor of ``out_dtype``), or ``None`` (the
+        caller falls back) when cuBLAS was not found, the dtypes, devices, layouts or alignment
+        (of ``out`` too) do not fit, or a size exceeds 32-bit cuBLAS arguments.
     Raises:
         RuntimeError: cuBLAS returned an error status.
     """
@@ -125,13 +127,17 @@ def gemm_device_alpha(a: torch.Tensor, b: torch.Tensor, alpha_zero: torch.Tensor
     oa, ob = _operand(b), _operand(a)  # C (col-major N x M) = op(b-view) (N x K) · op(a-view) (K x M)
     if oa is None or ob is None or (a.data_ptr() | b.data_ptr()) % 16:
         return None
+    if out is not None and (out.shape != (M, N) or out.dtype != out_dtype or out.device != a.device
+                            or not out.is_contiguous() or out.data_ptr() % 16):
+        return None
     lib = _load() if torch.cuda.is_available() else None
     if lib is None:
         return None
     # switching devices costs a context manager per call: only when a lives on another GPU
     here = a.device.index is None or a.device.index == torch.cuda.current_device()
     with contextlib.nullcontext() if here else torch.cuda.device(a.device):
-        out = torch.empty(M, N, dtype=out_dtype, device=a.device)
+        if out is None:
+            out = torch.empty(M, N, dtype=out_dtype, device=a.device)
         handle = torch.cuda.current_blas_handle()  # bound to the current stream by PyTorch
         # b row-major [N, K] is a col-major K x N matrix: op T gives N x K; a transposed view is
         # N x K already (op N). a row-major [M, K] is col-major K x M: op N; a transposed view: op T.
