@@ -13,8 +13,9 @@ Measured side by side in one run on one device and written with provenance to
 2. ``linear``: ``NVFP4Linear`` forward+backward (the paper's recipe: RHT, SR gradients, 2D weights)
    against BF16 ``nn.Linear`` in the same mode: eager, ``torch.compile`` and captured in the
    user's own CUDA graph, at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape (768 -> 2304).
-   NVFP4 eager twice: replayed from the layer's own graphs (``eager``, the default,
-   ``KernelOptions.layer_graphs``) and with its kernels launched one by one (``eager_no_graphs``).
+   NVFP4 eager three times: replayed from the layer's own graphs (``eager``, the default,
+   ``KernelOptions.layer_graphs``), with its kernels launched one by one (``eager_no_graphs``) and
+   from graphs that read the inputs in place (``eager_in_place``, ``layer_graphs_in_place``).
 3. ``training`` (unless ``--skip-training``): steady-state tokens/s of ``nvfp4lab.train`` on the
    ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager (NVFP4 also without the
    layer graphs), ``compile``, ``cuda_graph`` (with the optimizer in the graph).
@@ -122,9 +123,10 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
     One mode after the other (eager first: compiling leaves state behind that slows later eager
     calls of the same process), each in ``rounds`` rounds that time BF16 and right after it NVFP4,
     so that the two sides of a ratio are measured back to back (the GPU's clocks and the host's
-    state drift between rounds). NVFP4 without its layer graphs is paired with BF16 eager timed again
-    in that mode's rounds (BF16 has no layer graphs; its ``eager_no_graphs`` figures are those).
-    ``ms`` are the medians over the rounds, ``vs_bf16`` the medians of the rounds' ratios, with their
+    state drift between rounds). NVFP4 without its layer graphs (``eager_no_graphs``) and with their
+    in-place tier (``eager_in_place``, ``KernelOptions.layer_graphs_in_place``) is paired with BF16
+    eager timed again in that mode's rounds (BF16 has neither: its figures under those names are
+    eager ones). ``ms`` are the medians over the rounds, ``vs_bf16`` the medians of the rounds' ratios, with their
     spread."""
     rows = []
     for M, K, N in shapes:
@@ -141,14 +143,17 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
                 graph = capture(_fwd_bwd(layer, x, gy))[0]
                 return lambda: bench_ms(graph.replay, device)
             step = _fwd_bwd(torch.compile(layer) if mode == "compile" else layer, x, gy)
-            graphs = not (mode == "eager_no_graphs" and name.startswith("nvfp4"))
+            opts = {"eager_no_graphs": dict(layer_graphs=False),
+                    "eager_in_place": dict(layer_graphs_in_place=True)}.get(mode, {})
+            opts = opts if name.startswith("nvfp4") else {}
 
             def eager() -> float:
-                with kernels.use_options(layer_graphs=graphs):
+                with kernels.use_options(**opts):
                     return median_ms(step, device, iters=20, warmup=3)
             return eager
 
-        modes = ["eager", "eager_no_graphs", "compile"] + (["captured"] if device == "cuda" else [])
+        modes = ["eager", "eager_no_graphs", "eager_in_place", "compile"]
+        modes += ["captured"] if device == "cuda" else []
         times: dict[str, dict[str, list[float]]] = {name: {} for name in make}
         torch._dynamo.reset()
         for mode in modes:

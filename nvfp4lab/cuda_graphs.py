@@ -75,8 +75,7 @@ class GraphedCalls:
             signature is captured (shapes that keep changing would pay a capture each), with a
             ``RuntimeWarning``; :meth:`clear` starts again.
         capture_after: calls of a signature run directly before it is captured (>= 1: the first
-            call compiles the kernels outside any capture); the same for a signature with the same
-            input addresses in the in-place tier.
+            call compiles the kernels outside any capture).
         max_in_place: in-place graphs kept (least recently used dropped first, with the outputs
             they own); after ``2 * max_in_place`` captures no new one is made. 0 turns that tier off.
 
@@ -91,8 +90,8 @@ class GraphedCalls:
         self.max_entries, self.capture_after, self.max_in_place = max_entries, capture_after, max_in_place
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._in_place: OrderedDict[Hashable, _Entry] = OrderedDict()   # by signature and input addresses
-        self._in_place_calls: dict[Hashable, int] = {}
         self._in_place_captures = 0
+        self._owners: dict[Hashable, list] = {}   # (sig, owner) -> [its entry's key or None, captures]
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -107,8 +106,8 @@ class GraphedCalls:
         with self._lock:
             self._entries.clear()
             self._in_place.clear()
-            self._in_place_calls.clear()
             self._in_place_captures = 0
+            self._owners.clear()
             self._calls.clear()
             self._direct.clear()
             self._pools.clear()
@@ -117,7 +116,7 @@ class GraphedCalls:
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
                  keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None,
-                 in_place: bool = False) -> tuple[torch.Tensor, ...]:
+                 in_place: Hashable | None = None) -> tuple[torch.Tensor, ...]:
         """``fn(*tensors, streams=streams)``, from a CUDA graph once the signature has been seen
         ``capture_after`` times.
 
@@ -135,10 +134,11 @@ class GraphedCalls:
             keep: objects held as long as the graph.
             eligible: asked once per signature, at its first call: False makes the signature
                 always run directly (for a ``fn`` that is pure only for some inputs).
-            in_place: ``fn`` also takes ``out=`` (a tuple of tensors shaped as its outputs, which it
-                writes and returns, or None). Then a call whose inputs sit at addresses seen before
-                replays a graph that reads them where they are and writes outputs that belong to it,
-                returned without a copy (:meth:`_call_in_place`); otherwise the copies above.
+            in_place: a name for the caller (a layer and a direction), for a ``fn`` that also
+                takes ``out=`` (a tuple of tensors shaped as its outputs, which it writes
+                and returns, or None). Then a call whose inputs sit at addresses seen before replays a
+                graph that reads them where they are and writes outputs that belong to it, returned
+                without a copy (:meth:`_call_in_place`); otherwise the copies above. None: copies.
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns.
@@ -153,8 +153,8 @@ class GraphedCalls:
         sig = (key, stream.device_index, stream.cuda_stream, len(streams),
                tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
         with self._lock:
-            if in_place and self.max_in_place:
-                done = self._call_in_place(fn, sig, tensors, streams, keep, stream)
+            if in_place is not None and self.max_in_place:
+                done = self._call_in_place(fn, sig, tensors, streams, keep, stream, in_place)
                 if done is not None:
                     return done
             entry = self._entries.get(sig)
@@ -194,32 +194,57 @@ class GraphedCalls:
                 torch._foreach_copy_([outputs[i] for i in full], [entry.outputs[i] for i in full])
             return tuple(outputs)
 
-    def _call_in_place(self, fn, sig, tensors, streams, keep, stream) -> tuple[torch.Tensor, ...] | None:
+    #: In-place captures an owner may make; one whose input addresses keep changing then copies.
+    OWNER_CAPTURES = 3
+    #: Calls in a row an owner must make with the same addresses before its in-place graph is captured.
+    STABLE_CALLS = 3
+
+    def _call_in_place(self, fn, sig, tensors, streams, keep, stream,
+                       owner: Hashable) -> tuple[torch.Tensor, ...] | None:
         """The in-place tier: a graph per signature and input addresses that reads the inputs where
         they are (the addresses are part of its key, so the tensors at them are this call's) and
         writes into output tensors of its own, allocated outside the graphs' pool; a replay returns
         aliases of those (``detach()``: the same storage), no copy either way. The SR streams' state
         tensors are read and advanced where they are too (their addresses are also in the key).
-        Captured at the second call with the same addresses (training reuses its activations'
-        addresses step after step). A replay would overwrite what the previous one returned, so it happens only when no
-        caller holds any of those outputs any more (their storages' use counts, as
-        ``torch.compile``'s CUDA graph trees check); otherwise, and for addresses seen once, None:
-        the copying tier runs."""
+        Captured once an owner has called :attr:`STABLE_CALLS` times in a row with the same
+        addresses (training reuses its activations' addresses step after step, once its allocations
+        have settled). A replay would overwrite what the previous one returned, so it happens only
+        when no caller holds any of those outputs any more (their storages' use counts, as
+        ``torch.compile``'s CUDA graph trees check); otherwise, and until the addresses have
+        settled, None: the copying tier runs.
+
+        One graph per owner (``owner`` names the caller: a layer and a direction): a capture for
+        new addresses of the same owner drops its previous graph and the outputs it kept, and an
+        owner that has captured :attr:`OWNER_CAPTURES` times copies from then on. Without these
+        bounds, addresses that shift from step to step (each graph's kept outputs change where the
+        allocator puts later tensors) would keep capturing and keep outputs of every shift: a
+        GPT-2-small training run measured slower and with far more memory that way."""
         if self._entries.get(sig) is None and sig in self._direct:
             return None   # ineligible or uncapturable
         full = (sig, tuple(0 if t is None else t.data_ptr() for t in tensors),
                 tuple(s.data_ptr() for s in streams))
         entry = self._in_place.get(full)
         if entry is None:
-            n = self._in_place_calls.get(full, 0)
-            if n < self.capture_after or self._in_place_captures >= 2 * self.max_in_place:
-                if len(self._in_place_calls) > 16 * self.max_in_place:
-                    self._in_place_calls.clear()
-                self._in_place_calls[full] = n + 1
+            who = (sig, owner)
+            mine = self._owners.get(who)
+            if mine is None:
+                if len(self._owners) > 16 * self.max_in_place:
+                    self._owners.clear()
+                mine = self._owners[who] = [None, 0, None, 0]   # graph's key, captures, last key, streak
+            if mine[1] >= self.OWNER_CAPTURES:
                 return None
+            mine[3] = mine[3] + 1 if mine[2] == full else 1
+            mine[2] = full
+            if mine[3] < self.STABLE_CALLS or self._in_place_captures >= 2 * self.max_in_place:
+                return None
+            if mine[0] is not None:
+                self._in_place.pop(mine[0], None)   # the owner's previous graph and its outputs
+            mine[0], mine[1] = None, mine[1] + 1
             entry = self._capture_in_place(fn, full, tensors, streams, keep, stream)
             if entry is None:
+                mine[1] = self.OWNER_CAPTURES   # it cannot be captured: this owner copies from now on
                 return None
+            mine[0] = full
         elif not entry.outputs_free():
             return None
         self._in_place.move_to_end(full)
@@ -238,11 +263,9 @@ class GraphedCalls:
             if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
                 raise RuntimeError("the function did not return the out= tensors it was given")
         except Exception as err:  # noqa: BLE001 -- this signature then always takes the copying tier
-            self._direct.add(full)
             self._pools.pop(where, None)
             warnings.warn(f"nvfp4lab: an in-place CUDA graph could not be captured ({type(err).__name__}: {err}); "
                           "these calls copy their inputs and outputs", RuntimeWarning, stacklevel=4)
-            self._in_place_calls[full] = -(2**62)   # never again
             return None
         del returned
         refs = tuple((ref, torch._C._storage_Use_Count(ref.cdata))

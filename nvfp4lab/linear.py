@@ -623,7 +623,8 @@ def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, n
     return LAYER_GRAPHS(lambda x, w, b, streams, out=None: _fprop_packed(_drawing_from(state, streams), x, w, b,
                                                                          need_dgrad, need_wgrad, out),
                         ("fprop", state.recipe, id(opts), need_dgrad, need_wgrad), (x2d, weight, bias),
-                        streams=(stream,), keep=(opts,), in_place=True,
+                        streams=(stream,), keep=(opts,),
+                        in_place=("fprop", state.key) if opts.layer_graphs_in_place else None,
                         eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
                         and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
 
@@ -639,7 +640,7 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
     return LAYER_GRAPHS(lambda g, buf, streams, out=None: _bprop_packed(_drawing_from(state, streams), g, buf, *rest,
                                                                         out=out),
                         ("bprop", state.recipe, id(opts), *rest), (dy, saved), streams=(stream,), keep=(opts,),
-                        in_place=True,
+                        in_place=("bprop", state.key) if opts.layer_graphs_in_place else None,
                         eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))
 
 

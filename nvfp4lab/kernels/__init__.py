@@ -122,6 +122,14 @@ class KernelOptions:
             from CUDA graphs captured per shape (:mod:`nvfp4lab.cuda_graphs`: bit-identical, one
             copy of inputs and outputs more, the launch overhead of ~20 kernels gone); False: the
             kernels launched one by one.
+        layer_graphs_in_place: with ``layer_graphs``, a layer whose inputs sit at the same
+            addresses call after call replays a graph that reads them in place and returns outputs
+            it owns, without the copies in and out (the in-place tier of
+            :class:`nvfp4lab.cuda_graphs.GraphedCalls`). Off by default: it pays where inputs live
+            in fixed buffers (a loop that copies each batch into the same tensors) and layers are
+            large, while in GPT-2-small training, whose activations move between steps until the
+            allocator settles, it measured slower than the copies (``benchmarks/bench_api.py``
+            measures both: ``eager_in_place``).
         launch_cache: launch a kernel whose launch signature was seen before through the compiled
             kernel Triton returned for it (:func:`_launch`: the same binary and arguments, a
             fraction of the host time), and plan ``quantize(x)``'s launches per call signature
@@ -139,6 +147,7 @@ class KernelOptions:
     e2m1_bits: bool = True
     interpret_on_cpu: bool = False
     layer_graphs: bool = True
+    layer_graphs_in_place: bool = False
     launch_cache: bool = True
     config: Mapping[str, Mapping[str, int]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({k: MappingProxyType(dict(v)) for k, v in _DEFAULT_CONFIG.items()}))
