@@ -10,13 +10,13 @@ change, the stochastic-rounding stream, is a device tensor advanced in place
 signature and replayed:
 
 1. the first call with a signature runs the function directly (it compiles the Triton kernels);
-2. a later call whose inputs (and SR stream states) sit at the addresses of an earlier call's
-   replays an *in-place* graph, captured at the second such call: it reads the inputs and
-   advances the streams where they are and writes outputs of its own, which the call returns
-   without a copy. Training reuses its activations' addresses step after step, so this is the
-   usual case. A replay would overwrite what the previous replay returned, so it runs only once
-   no caller holds those outputs any more (their storages' use counts, as ``torch.compile``'s
-   CUDA graph trees track ownership); the outputs stay allocated while the graph is kept;
+2. where the caller asks for it (``in_place``; for the layer ``KernelOptions.layer_graphs_in_place``,
+   off by default), a call whose inputs (and SR stream states) have sat at the same addresses for
+   a few calls in a row replays an *in-place* graph: it reads the inputs and advances the streams
+   where they are and writes outputs of its own, which the call returns without a copy. A replay
+   would overwrite what the previous replay returned, so it runs only once no caller holds those
+   outputs any more (their storages' use counts, as ``torch.compile``'s CUDA graph trees track
+   ownership); the outputs stay allocated while the graph is kept, one graph per caller;
 3. otherwise a *copying* graph per signature, captured at its second call with private twins of
    the SR streams (layers of one shape and recipe share it, whatever their streams): every call
    copies its inputs into the graph's static buffers, each stream's state into its twin, replays,
@@ -135,13 +135,16 @@ class GraphedCalls:
             eligible: asked once per signature, at its first call: False makes the signature
                 always run directly (for a ``fn`` that is pure only for some inputs).
             in_place: a name for the caller (a layer and a direction), for a ``fn`` that also
-                takes ``out=`` (a tuple of tensors shaped as its outputs, which it writes
-                and returns, or None). Then a call whose inputs sit at addresses seen before replays a
-                graph that reads them where they are and writes outputs that belong to it, returned
-                without a copy (:meth:`_call_in_place`); otherwise the copies above. None: copies.
+                takes ``out=`` (a tuple of tensors shaped as its outputs, which it writes and
+                returns, or None). Then a call whose inputs have stayed at the same addresses
+                replays a graph that reads them where they are and writes outputs that belong to
+                it, returned without a copy (:meth:`_call_in_place`); otherwise the copies above.
+                None: copies only.
 
         Returns:
-            ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns.
+            ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns, or, from
+            an in-place graph, aliases of its own outputs, which it writes again only once the
+            caller has dropped them.
             Bit-identical to ``fn(*tensors, streams=streams)``.
 
         Raises:
