@@ -72,7 +72,7 @@ from .fp8_recipes import DelayedScalingLinear, FP8BlockLinear
 from .hadamard import WGRAD_SIGNS
 from .mx import MXFP4Linear, MXFP8Linear
 from .precisions import EMULATED, canonical_name
-from .quantize import NVFP4Tensor, _into, nvfp4_matmul, pair_uses_kernels, quantize, quantize_rowwise_columnwise
+from .quantize import NVFP4Tensor, nvfp4_matmul, pair_uses_kernels, quantize, quantize_rowwise_columnwise
 from .recipe import DEFAULT_BLOCK_PATTERN, NVFP4Recipe, block_index, layer_is_quantized
 from .rounding import SRStream
 
@@ -554,7 +554,9 @@ def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, b
     for t, (off, shape, dtype) in zip(parts, layout):
         if t is not None and t.numel():
             _in_buffer(saved, off, shape, dtype).copy_(t)
-    return _into(out_y, y), saved
+    if out_y is not None and y is not out_y:   # a path that made its own Y (e.g. no tokens)
+        y = out_y.copy_(y)
+    return y, saved
 
 
 def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: int, x_dtype: torch.dtype,
@@ -577,7 +579,9 @@ def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: 
     empty = lambda dtype: torch.empty(0, dtype=dtype, device=dy.device)  # noqa: E731
     grads = (dx if dx is not None else empty(x_dtype), dw if dw is not None else empty(w_dtype),
              db if db is not None else empty(bias_dtype))
-    return grads if out is None else tuple(_into(o, g) for o, g in zip(out, grads))
+    if out is None:
+        return grads
+    return tuple(g if g is o else o.copy_(g) for o, g in zip(out, grads))   # into the given ones
 
 
 #: The CUDA graphs of eager layer calls (``KernelOptions.layer_graphs``), shared by layers whose
