@@ -124,8 +124,10 @@ class NVFP4GemmQuantizer:
         return quantize(x, **options)
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
-                      generator: "torch.Generator | SRStream | None" = None, values: tuple[bool, bool] = (False, False)):
-        return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False)
+                      generator: "torch.Generator | SRStream | None" = None, values: tuple[bool, bool] = (False, False),
+                      col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+        return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False,
+                                           col_out=col_out)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -264,12 +266,14 @@ def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role
 
 
 def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, str],
-                   col: tuple[str, str, str] | None, values: tuple[bool, bool]):
+                   col: tuple[str, str, str] | None, values: tuple[bool, bool], col_out: tuple | None = None):
     """Both copies of ``x2d`` from the quantizer's ``quantize_pair`` (None if it has none or declines).
 
     ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies. ``values``: ask
     for the BF16 block values of the (rowwise, columnwise) copy along with it: for the copies a GEMM
     uses at once, not for those saved for the backward pass (which stay packed, 4.5 bits a value).
+    ``col_out``: (data, scale, amax) for the columnwise copy to be written into (only the default
+    quantizer's ``quantize_pair`` takes it: the packed forward runs only with it), or None.
     """
     pair_fn = getattr(state.quantizer, "quantize_pair", None)
     if pair_fn is None:
@@ -281,7 +285,8 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
         gen = state.sr_generator(x2d.device)
         if _OBSERVERS:
             rng_state = gen.get_state()
-    pair = pair_fn(x2d, row_opts, col_opts, generator=gen, values=values)
+    pair = (pair_fn(x2d, row_opts, col_opts, generator=gen, values=values) if col_out is None
+            else pair_fn(x2d, row_opts, col_opts, generator=gen, values=values, col_out=col_out))
     if pair is None:
         return None
     if _OBSERVERS:
@@ -323,11 +328,15 @@ def _copy_shapes(state: _LayerState, M: int, K: int, N: int) -> tuple[tuple[int,
 
 
 def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-           need_dgrad: bool, need_wgrad: bool, out_y: torch.Tensor | None = None):
+           need_dgrad: bool, need_wgrad: bool, out_y: torch.Tensor | None = None,
+           out_saved: tuple[tuple | None, tuple | None] = (None, None)):
     """The forward: ``(Y [M, N], Xᵀ copy or None, Wᵀ copy or None)``, the copies quantized now for
     the backward, as TE does. Shared by the autograd function (eager) and the custom op (compile).
     ``out_y``: where the Fprop GEMM writes Y (only with the default quantizer, whose ``matmul``
-    takes ``out``; the layer's CUDA graphs use it), or None for a new tensor."""
+    takes ``out``; the layer's CUDA graphs use it), or None for a new tensor. ``out_saved``:
+    (data, scale, amax) where the kernels write the Xᵀ and the Wᵀ copy (:func:`_fprop_packed`'s
+    buffer; same condition), each or both None for new tensors; a path that makes its copies
+    otherwise returns new tensors all the same."""
     M, K = x2d.shape
     N = weight.shape[0]
     if M == 0:
@@ -335,10 +344,13 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     if state.high_precision:  # a precision switch by scope (the paper's appendix D)
         return _fprop_switched(state, x2d, weight, bias, need_dgrad, need_wgrad)
     # values for the Fprop operands only: the columnwise copies wait for the backward packed
+    out_xt, out_wt = out_saved
     px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
-                        ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False))
+                        ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False),
+                        out_xt if need_wgrad else None)
     pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
-                        ("dgrad", "wt", "weight_columnwise") if need_dgrad else None, (True, False)) if px else None
+                        ("dgrad", "wt", "weight_columnwise") if need_dgrad else None, (True, False),
+                        out_wt if need_dgrad else None) if px else None
     if px is not None and pw is not None:
         (qx, qxt), (qw, qwt) = px, pw
     else:
@@ -514,7 +526,9 @@ _PACK_ALIGN = 256   # bytes: each saved tensor starts at an aligned offset of th
 def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
                   need_wgrad: bool) -> tuple[tuple[tuple[int, tuple, torch.dtype], ...], int]:
     """((byte offset, shape, dtype) of each of the six saved tensors — Xᵀ codes, scales, amax, then
-    Wᵀ's, empty when not needed — in one uint8 buffer, the buffer's size in bytes)."""
+    Wᵀ's, empty when not needed — in one uint8 buffer, the buffer's size in bytes). Codes and scales
+    start at multiples of ``_PACK_ALIGN`` bytes (what the kernels that write them there need); the
+    two float32 amaxes follow them, side by side."""
     (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
     meta = []
     for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
@@ -525,11 +539,14 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
                      ((), torch.float32)]
         else:
             meta += [((0,), torch.uint8), ((0,), torch.float8_e4m3fn), ((0,), torch.float32)]
-    layout, off = [], 0
-    for shape, dtype in meta:
-        layout.append((off, shape, dtype))
-        off += -(-math.prod(shape) * dtype.itemsize // _PACK_ALIGN) * _PACK_ALIGN
-    return tuple(layout), off
+    layout, off = [None] * 6, 0
+    for i in (0, 1, 3, 4, 2, 5):   # the two 4-byte amaxes last, side by side: one padding tail
+        shape, dtype = meta[i]
+        layout[i] = (off, shape, dtype)
+        off += math.prod(shape) * dtype.itemsize
+        if i in (0, 1, 3, 4):
+            off = -(-off // _PACK_ALIGN) * _PACK_ALIGN
+    return tuple(layout), -(-off // _PACK_ALIGN) * _PACK_ALIGN
 
 
 def _in_buffer(buf: torch.Tensor, off: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -545,15 +562,22 @@ def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, b
     graphs carry. ``out``: (Y, buffer) to write into (the layer's graphs), or None for new ones; the
     buffer must be a previous result of this function for these shapes (its padding bytes zero)."""
     out_y, saved = out if out is not None else (None, None)
-    with torch.autocast(device_type=x2d.device.type, enabled=False):
-        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y)
     layout, size = _saved_layout(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad)
     if saved is None:
-        saved = torch.zeros(size, dtype=torch.uint8, device=x2d.device)   # padding bytes defined: reproducible
+        saved = torch.empty(size, dtype=torch.uint8, device=x2d.device)
+        spans = sorted((off, off + math.prod(shape) * dtype.itemsize) for off, shape, dtype in layout)
+        for (_, end), start in zip(spans, [off for off, _ in spans[1:]] + [size]):
+            if start > end:
+                saved[end:start].zero_()   # padding bytes defined: reproducible
+    views = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
+    # the kernels write the copies straight into the buffer; any other path's copies are copied in
+    out_saved = tuple(tuple(views[i:i + 3]) if views[i].numel() else None for i in (0, 3))
+    with torch.autocast(device_type=x2d.device.type, enabled=False):
+        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y, out_saved)
     parts = [t for q in (qxt, qwt) for t in ((q.data, q.scale, q.amax) if q is not None else (None,) * 3)]
-    for t, (off, shape, dtype) in zip(parts, layout):
-        if t is not None and t.numel():
-            _in_buffer(saved, off, shape, dtype).copy_(t)
+    for t, view in zip(parts, views):
+        if t is not None and t.numel() and t.data_ptr() != view.data_ptr():
+            view.copy_(t)
     if out_y is not None and y is not out_y:   # a path that made its own Y (e.g. no tokens)
         y = out_y.copy_(y)
     return y, saved

@@ -784,6 +784,7 @@ def quantize_rowwise_columnwise(
     generator: "torch.Generator | SRStream | None" = None,
     values: tuple[bool, bool] = (False, False),
     fallback: bool = True,
+    col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor | None] | None:
     """The rowwise and the columnwise NVFP4 copies of ``x`` a training step needs.
 
@@ -811,24 +812,46 @@ def quantize_rowwise_columnwise(
             skips a decode pass. Not part of the format.
         fallback: where the kernels do not cover the pair, make it with :func:`quantize`
             (default) or return ``None`` (for a caller with its own fallback).
+        col_out: ``(data, scale, amax)`` tensors for the columnwise copy (``uint8 [K, ceil(M/2)]``,
+            ``float8_e4m3fn`` ``[K or ceil(K/16), ceil(M/16)]``, ``float32 []``; the first two
+            contiguous and 16-byte aligned), or None for new ones. The kernels write the codes and
+            scales there directly (the amax, computed in a buffer of its own, is copied); the
+            reference path copies all three. The columnwise copy returned holds these tensors.
 
     Raises:
         What :func:`quantize` raises, for either copy.
+        ValueError: ``col_out`` without ``col``, or not as described.
     """
     if col is None:
+        if col_out is not None:
+            raise ValueError("col_out is given but col is None: there is no columnwise copy to write")
         if fallback or uses_kernels(x, **row):
             return quantize(x, generator=generator, **row), None
         return None
+    if col_out is not None and not (isinstance(col_out, (tuple, list)) and len(col_out) == 3
+                                    and isinstance(col_out[2], torch.Tensor) and col_out[2].shape == ()
+                                    and col_out[2].dtype == torch.float32 and col_out[2].device == x.device):
+        raise ValueError("col_out must be (data, scale, amax) with amax a 0-d float32 tensor on x's device")
     args = _pair_kernel_args(x, row, col)
     if args is None:
         if not fallback:
             return None
         x2d = x.reshape(-1, x.shape[-1])
-        return quantize(x, generator=generator, **row), quantize(x2d.t(), generator=generator, **col)
+        q_row, q_col = quantize(x, generator=generator, **row), quantize(x2d.t(), generator=generator, **col)
+        if col_out is not None:
+            kernels.check_col_out(col_out[:2], x2d, q_col.block == "2d")
+            q_col = dataclasses.replace(q_col, data=col_out[0].copy_(q_col.data),
+                                        scale=col_out[1].view(torch.uint8).copy_(q_col.scale.view(torch.uint8))
+                                        .view(torch.float8_e4m3fn),
+                                        amax=col_out[2].copy_(q_col.amax))
+        return q_row, q_col
     block, rounding, col_rht, mask = args
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
-        generator=generator, values=(bool(values[0]), bool(values[1])))
+        generator=generator, values=(bool(values[0]), bool(values[1])),
+        col_out=None if col_out is None else col_out[:2])
+    if col_out is not None:
+        st, amt = col_out[1].view(torch.float8_e4m3fn), col_out[2].copy_(amt)
     M, K = math.prod(x.shape[:-1]), x.shape[-1]
     q_row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
                         rounding=rounding, values_bf16=v)

@@ -198,6 +198,37 @@ def test_fused_given_amax_and_fallback():
     assert_nvfp4_equal(col, quantize_ref(x64.t(), rht=True))
 
 
+@pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
+def test_pair_writes_the_columnwise_copy_into_given_tensors(block, rht):
+    """``col_out``: the kernels write the columnwise codes and scales into the caller's tensors and
+    the amax is copied there, bit-equal to a pair made into new tensors; the reference path
+    (kernels declining: float64) copies into them as well; tensors of the wrong shape, dtype or
+    alignment, or ``col_out`` without a columnwise copy, are refused by name."""
+    x = _x((48, 64), torch.bfloat16, seed=5)
+    row = dict(block=block)
+    col = dict(block=block, rht=rht)
+    srows = 4 if block == "2d" else 64
+    for xin, path_fallback in ((x, False), (x.double(), True)):
+        fresh = quantize_rowwise_columnwise(xin, row, col, fallback=path_fallback)[1]
+        out = (torch.full((64, 24), 0xAB, dtype=torch.uint8), torch.full((srows, 3), 0x7E, dtype=torch.uint8)
+               .view(torch.float8_e4m3fn), torch.tensor(-1.0))
+        q_row, q_col = quantize_rowwise_columnwise(xin, row, col, fallback=path_fallback, col_out=out)
+        assert_nvfp4_equal(q_col, fresh)
+        assert q_col.data is out[0] and q_col.scale.data_ptr() == out[1].data_ptr() and q_col.amax is out[2]
+        assert torch.equal(out[2], fresh.amax)
+    good = (torch.empty(64, 24, dtype=torch.uint8), torch.empty(srows, 3, dtype=torch.float8_e4m3fn),
+            torch.tensor(0.0))
+    for bad, what in (((torch.empty(64, 23, dtype=torch.uint8),) + good[1:], "codes"),
+                      ((good[0], torch.empty(srows, 3, dtype=torch.float16)) + good[2:], "block scales"),
+                      ((torch.empty(64 * 24 + 1, dtype=torch.uint8)[1:].view(64, 24),) + good[1:], "codes")):
+        with pytest.raises(ValueError, match=what):
+            quantize_rowwise_columnwise(x, row, col, col_out=bad)
+    with pytest.raises(ValueError, match="amax"):
+        quantize_rowwise_columnwise(x, row, col, col_out=good[:2] + (torch.tensor(0.0, dtype=torch.float64),))
+    with pytest.raises(ValueError, match="col is None"):
+        quantize_rowwise_columnwise(x, row, None, col_out=good)
+
+
 def test_golden_special_inputs():
     """TE golden inputs (zeros, finfo.max, ±inf, ties, boundary, denormal block, tiny amax, 3-D)."""
     inputs = torch.load(FIXTURE, weights_only=True)["inputs"]
@@ -387,6 +418,24 @@ def test_nvfp4linear_fused_pair_path_equals_reference(fused_pair_calls, M, dtype
     for a, b in zip(*out):
         assert a.dtype == b.dtype and torch.equal(a, b)
     assert sum(calls) == (3 if M % 16 == 0 else 0)  # X, W, dY each read once for both copies
+
+
+@pytest.mark.parametrize("two_d", [True, False], ids=["2d", "1d"])
+def test_packed_forward_buffer_is_the_same_written_by_the_kernels_or_copied(fused_pair_calls, two_d):
+    """The custom op's saved buffer (Xᵀ and Wᵀ codes, scales, amaxes): written straight into by the
+    kernels, it holds the same bytes as when the reference path's copies are copied in (padding
+    bytes zero in both), and Y is the same."""
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    recipe = NVFP4Recipe(disable_stochastic_rounding=True, disable_2d_quantization=not two_d)
+    _, fast = _fast_and_reference_layers(recipe)
+    x = _x((32, 64), torch.bfloat16, seed=21)
+    args = (x, fast.weight, fast.bias, fast._state.key, True, True)
+    y, saved = torch.ops.nvfp4lab.linear_fprop(*args)
+    assert len(fused_pair_calls) == 2   # X and W each through the pair kernels (the direct writes)
+    with kernels.disabled():
+        y_ref, saved_ref = torch.ops.nvfp4lab.linear_fprop(*args)
+    assert torch.equal(y, y_ref) and torch.equal(saved, saved_ref)
 
 
 def test_nvfp4linear_fused_path_nan_gives_nan_without_scanning(monkeypatch):

@@ -60,7 +60,7 @@ from ..rounding import SRStream
 __all__ = [
     "available", "interpreter_mode", "disabled", "KernelOptions", "options", "use_options",
     "covers_quantize", "covers_rowwise_columnwise", "covers_decode", "covers_gemm", "sign_mask",
-    "quantize_rowwise", "quantize_rowwise_columnwise", "block_values", "dequantize", "gemm",
+    "quantize_rowwise", "quantize_rowwise_columnwise", "check_col_out", "block_values", "dequantize", "gemm",
 ]
 
 _INV6 = RCP_E2M1_MAX  # RN_fp32(1/6), passed to the kernels as an fp32 argument
@@ -591,13 +591,16 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
-         on_amax: Callable[[torch.Tensor], Any] | None = None):
+         on_amax: Callable[[torch.Tensor], Any] | None = None,
+         col_out: tuple[torch.Tensor, torch.Tensor] | None = None):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
     kernel that runs can (the one-block-per-thread rowwise kernel, the 16-slice kernel); the
     last two results are those tensors or ``None``. ``on_amax``: called with the rowwise amax
-    (the columnwise one without ``row``) once the amax kernel is launched, when it runs."""
+    (the columnwise one without ``row``) once the amax kernel is launched, when it runs.
+    ``col_out``: (codes, scales as uint8) for the columnwise copy to be written into, checked by
+    :func:`check_col_out`, or None for new tensors."""
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
@@ -638,8 +641,11 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     u8 = torch.uint8
     d = torch.empty(M, Kh, dtype=u8, device=dev) if row else None
     s = torch.empty((M16 if block2d else M), K16, dtype=u8, device=dev) if row else None
-    dt = torch.empty(K, Mh, dtype=u8, device=dev) if col else None
-    st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col else None
+    if col and col_out is not None:
+        dt, st = col_out
+    else:
+        dt = torch.empty(K, Mh, dtype=u8, device=dev) if col else None
+        st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col else None
     seeds = _seeds(generator, dev) if sr else buf  # buf: a dummy pointer when not SR
     dummy = buf
     out_v: list = [None, None]
@@ -785,10 +791,29 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
     return data, scale, amax_t
 
 
+def check_col_out(col_out: tuple[torch.Tensor, torch.Tensor], x2: torch.Tensor, block2d: bool) -> None:
+    """Raise ValueError unless ``col_out`` is (codes ``uint8 [K, ceil(M/2)]``, block scales
+    ``float8_e4m3fn`` or ``uint8`` ``[K or ceil(K/16) with block2d, ceil(M/16)]``), both
+    contiguous, 16-byte aligned and on ``x2``'s device: where the columnwise kernels can write the
+    copy of ``x2`` [M, K]."""
+    M, K = x2.shape
+    want = (((K, -(-M // 2)), (torch.uint8,)),
+            (((-(-K // 16) if block2d else K), -(-M // 16)), (torch.uint8, torch.float8_e4m3fn)))
+    if not (isinstance(col_out, (tuple, list)) and len(col_out) == 2):
+        raise ValueError("col_out must be a pair (codes, block scales)")
+    for name, t, (shape, dtypes) in zip(("codes", "block scales"), col_out, want):
+        if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype not in dtypes
+                or not t.is_contiguous() or t.device != x2.device or t.data_ptr() % 16):
+            got = (t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise ValueError(f"col_out {name} must be a contiguous, 16-byte aligned {shape} tensor of "
+                             f"{' or '.join(map(str, dtypes))} on {x2.device}, got {got}")
+
+
 def quantize_rowwise_columnwise(
     x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False, sign_mask: int = 0,
     generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
     amax_t: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
+    col_out: tuple[torch.Tensor, torch.Tensor] | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Both NVFP4 copies a training step needs from ``x`` [..., K], one read of ``x`` per kernel.
 
@@ -803,18 +828,29 @@ def quantize_rowwise_columnwise(
     Args:
         values: (rowwise, columnwise): also write that copy's BF16 block values where the kernel
             that runs can (rowwise: 1x16 with ``K % 16 == 0``, or 2D; columnwise: ``M % 16 == 0``).
+        col_out: (codes, block scales) tensors the columnwise copy is written into (contiguous,
+            16-byte aligned, the shapes below; scales as ``uint8`` or ``float8_e4m3fn``), or None
+            for new ones: a caller that keeps the copy in a buffer of its own saves a copy pass.
 
     Returns:
         ``(data, scale, amax, data_t, scale_t, amax_t, values, values_t)``: as
-        :func:`quantize_rowwise` for each copy (the columnwise ``data_t`` is ``[K, ceil(M/2)]``),
-        then the BF16 block values ``[M, K]`` / ``[K, M]`` or ``None``.
+        :func:`quantize_rowwise` for each copy (the columnwise ``data_t`` is ``[K, ceil(M/2)]``,
+        ``col_out``'s tensors when given), then the BF16 block values ``[M, K]`` / ``[K, M]`` or
+        ``None``.
+
+    Raises:
+        ValueError: ``col_out`` is not as described.
     """
     x2 = _as_2d(x)
     if x2.stride(1) != 1 and x2.stride(0) == 1:
         x2 = x2.contiguous()  # a transposed view: one copy, then the row-major kernels
+    if col_out is not None:
+        check_col_out(col_out, x2, block2d)
+        col_out = (col_out[0], col_out[1].view(torch.uint8))
     d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
-        generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])))
+        generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
+        col_out=col_out)
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     return d, s, am, dt, st, amt, v, vt
