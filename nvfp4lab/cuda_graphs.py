@@ -65,6 +65,19 @@ class _Entry:
         return all(torch._C._storage_Use_Count(ref.cdata) <= base for ref, base in self.refs)
 
 
+class _Owner:
+    """The in-place tier's record of one caller (a layer and a direction): the key of its graph (or
+    None), how many captures it has made, the input addresses of its last call and how many calls
+    in a row it has made with them."""
+    __slots__ = ("graph_key", "captures", "last_key", "streak")
+
+    def __init__(self) -> None:
+        self.graph_key: Hashable | None = None
+        self.captures = 0
+        self.last_key: Hashable | None = None
+        self.streak = 0
+
+
 class GraphedCalls:
     """A cache of CUDA graphs, one per call signature, replaying a pure tensor function.
 
@@ -91,7 +104,7 @@ class GraphedCalls:
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
         self._in_place: OrderedDict[Hashable, _Entry] = OrderedDict()   # by signature and input addresses
         self._in_place_captures = 0
-        self._owners: dict[Hashable, list] = {}   # (sig, owner) -> [its entry's key or None, captures]
+        self._owners: dict[Hashable, _Owner] = {}   # by (sig, owner): the in-place tier's record of a caller
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -233,21 +246,21 @@ class GraphedCalls:
             if mine is None:
                 if len(self._owners) > 16 * self.max_in_place:
                     self._owners.clear()
-                mine = self._owners[who] = [None, 0, None, 0]   # graph's key, captures, last key, streak
-            if mine[1] >= self.OWNER_CAPTURES:
+                mine = self._owners[who] = _Owner()
+            if mine.captures >= self.OWNER_CAPTURES:
                 return None
-            mine[3] = mine[3] + 1 if mine[2] == full else 1
-            mine[2] = full
-            if mine[3] < self.STABLE_CALLS or self._in_place_captures >= 2 * self.max_in_place:
+            mine.streak = mine.streak + 1 if mine.last_key == full else 1
+            mine.last_key = full
+            if mine.streak < self.STABLE_CALLS or self._in_place_captures >= 2 * self.max_in_place:
                 return None
-            if mine[0] is not None:
-                self._in_place.pop(mine[0], None)   # the owner's previous graph and its outputs
-            mine[0], mine[1] = None, mine[1] + 1
+            if mine.graph_key is not None:
+                self._in_place.pop(mine.graph_key, None)   # the owner's previous graph and its outputs
+            mine.graph_key, mine.captures = None, mine.captures + 1
             entry = self._capture_in_place(fn, full, tensors, streams, keep, stream)
             if entry is None:
-                mine[1] = self.OWNER_CAPTURES   # it cannot be captured: this owner copies from now on
+                mine.captures = self.OWNER_CAPTURES   # it cannot be captured: this owner copies from now on
                 return None
-            mine[0] = full
+            mine.graph_key = full
         elif not entry.outputs_free():
             return None
         self._in_place.move_to_end(full)
