@@ -18,7 +18,8 @@ Measured side by side in one run on one device and written with provenance to
    from graphs that read the inputs in place (``eager_in_place``, ``layer_graphs_in_place``).
 3. ``training`` (unless ``--skip-training``): steady-state tokens/s of ``nvfp4lab.train`` on the
    ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager (NVFP4 also without the
-   layer graphs), ``compile``, ``cuda_graph`` (with the optimizer in the graph).
+   layer graphs), ``compile``, ``cuda_graph`` (with the optimizer in the graph), and both
+   (``compile_cuda_graph``: the compiled step captured).
 
 Timings come from :mod:`nvfp4lab.timing` (medians). Sections 1 and 2 repeat their measurements in
 ``--rounds`` rounds (default 5), the two sides of each ratio back to back within a round, and report
@@ -180,7 +181,8 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
 def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]:
     """Section 3: steady-state tokens/s of ``nvfp4lab.train``, NVFP4 vs BF16 in each mode."""
     modes = {"eager": {}, "eager_no_graphs": {}, "compile": {"compile": True},
-             "cuda_graph": {"cuda_graph": True, "graph_optimizer": device == "cuda"}}
+             "cuda_graph": {"cuda_graph": True, "graph_optimizer": device == "cuda"},
+             "compile_cuda_graph": {"compile": True, "cuda_graph": True, "graph_optimizer": device == "cuda"}}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode, extra in modes.items():

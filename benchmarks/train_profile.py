@@ -1,0 +1,118 @@
+"""Where a training step's GPU time goes: ``python benchmarks/train_profile.py [--modes cuda_graph ...] [--out FILE]``.
+
+``nvfp4lab.train`` on the ``gpt2-small`` preset, BF16 and NVFP4, under ``torch.profiler`` (CUDA
+activity: every kernel and copy, inside CUDA graphs too). Each precision and mode trains twice, for
+``--steps`` and for ``--steps + --extra`` steps, with the same warm-up, compilation, graph captures,
+final evaluation and checkpoint; the difference of the two runs' kernel times is what ``--extra``
+steady training steps cost, divided per step. Kernels are grouped by what they are: cuBLAS GEMMs,
+nvfp4lab's own Triton kernels (quantize, amax, decode, GEMM scaling), copies (device-to-device
+copies and PyTorch copy kernels, among them the layer graphs' copies in and out), attention, and the
+rest (element-wise work, layer norms, the optimizer). Written with provenance to
+``results/train_profile_<device>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from nvfp4lab.capabilities import require_device  # noqa: E402
+from nvfp4lab.provenance import environment  # noqa: E402
+from nvfp4lab.training import TrainConfig, train  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+MODES = {"eager": {}, "compile": {"compile": True}, "cuda_graph": {"cuda_graph": True, "graph_optimizer": True}}
+
+
+def _ours() -> set[str]:
+    """The names of nvfp4lab's Triton kernels (as the profiler reports them)."""
+    from nvfp4lab.kernels import triton_kernels
+
+    return {name for name in dir(triton_kernels) if name.endswith("_kernel")}
+
+
+def category(name: str, ours: set[str]) -> str:
+    """The group a kernel of this name belongs to (see the module docstring)."""
+    if name in ours:
+        return "nvfp4lab kernels"
+    low = name.lower()
+    if any(k in low for k in ("nvjet", "gemm", "xmma", "cutlass")):
+        return "GEMM (cuBLAS)"
+    if "memcpy" in low or "copy" in low:
+        return "copies"
+    if "sdpa" in low or "flash" in low or "attention" in low:
+        return "attention"
+    return "other"
+
+
+def kernel_ms(cfg: TrainConfig) -> tuple[dict[str, float], dict[str, tuple[int, float]], Any]:
+    """Train with ``cfg`` under the profiler: (ms by category, (calls, ms) by kernel name, the run's result)."""
+    ours = _ours()
+    torch._dynamo.reset()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        result = train(cfg)
+    by_cat: dict[str, float] = collections.defaultdict(float)
+    by_name: dict[str, list] = collections.defaultdict(lambda: [0, 0.0])
+    for e in prof.events():
+        if e.device_type == torch.autograd.DeviceType.CUDA:
+            by_cat[category(e.name, ours)] += e.device_time / 1e3
+            entry = by_name[e.name]
+            entry[0] += 1
+            entry[1] += e.device_time / 1e3
+    return dict(by_cat), {k: (v[0], v[1]) for k, v in by_name.items()}, result
+
+
+def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for precision in ("bf16", "nvfp4"):
+            runs = []
+            for n in (steps, steps + extra):
+                cfg = TrainConfig(preset="gpt2-small", precision=precision, steps=n, device=device,
+                                  out=f"{tmp}/{mode}-{precision}-{n}", progress=False, plot=False, eval_interval=n,
+                                  checkpoint_interval=0, **MODES[mode])
+                runs.append(kernel_ms(cfg))
+            (cat0, name0, _), (cat1, name1, res) = runs
+            per_step = {c: (cat1.get(c, 0.0) - cat0.get(c, 0.0)) / extra for c in sorted(set(cat0) | set(cat1))}
+            kernels = sorted(((k, (c - name0.get(k, (0, 0.0))[0]) / extra, (ms - name0.get(k, (0, 0.0))[1]) / extra)
+                              for k, (c, ms) in name1.items()), key=lambda r: -r[2])[:20]
+            out[precision] = {"kernel_ms_per_step": per_step, "kernel_ms_per_step_total": sum(per_step.values()),
+                              "top_kernels": [{"name": k, "calls_per_step": c, "ms_per_step": ms} for k, c, ms in kernels],
+                              "tokens_per_s": res.tokens_per_s}
+            print(f"[train_profile] {mode} {precision}", {k: round(v, 2) for k, v in per_step.items()},
+                  file=sys.stderr, flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path)
+    ap.add_argument("--device", default="cuda")
+    ap.add_argument("--modes", nargs="+", default=["cuda_graph", "compile", "eager"], choices=list(MODES))
+    ap.add_argument("--steps", type=int, default=20, help="steps of the shorter run (warm-up included)")
+    ap.add_argument("--extra", type=int, default=10, help="steady steps the longer run adds")
+    args = ap.parse_args(argv)
+    require_device(args.device)
+    device = torch.device(args.device).type
+    out = args.out or ROOT / "results" / f"train_profile_{device}.json"
+    result: dict[str, Any] = {"environment": environment(args.device), "steps": args.steps, "extra": args.extra,
+                              "modes": {}}
+    for mode in args.modes:   # written after each mode: a cut-off run keeps what it measured
+        result["modes"][mode] = profile_mode(mode, args.steps, args.extra, device)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
