@@ -5,9 +5,12 @@ activity: every kernel and copy, inside CUDA graphs too). Each precision and mod
 ``--steps`` and for ``--steps + --extra`` steps, with the same warm-up, compilation, graph captures,
 final evaluation and checkpoint; the difference of the two runs' kernel times is what ``--extra``
 steady training steps cost, divided per step. Kernels are grouped by what they are: cuBLAS GEMMs,
-nvfp4lab's own Triton kernels (quantize, amax, decode, GEMM scaling), copies (device-to-device
-copies and PyTorch copy kernels, among them the layer graphs' copies in and out), attention, and the
-rest (element-wise work, layer norms, the optimizer). Written with provenance to
+nvfp4lab's own Triton kernels (quantize, amax, decode, GEMM scaling), copies on the device
+(device-to-device copies and PyTorch copy kernels, among them the layer graphs' copies in and out),
+attention, host transfers (batches in, logged values and checkpoints out: their time depends on the
+host and does not cancel exactly between the two runs) and the rest (element-wise work, layer
+norms, the optimizer). The profiler slows the host, so its runs' tokens/s are not the benchmark's
+(``bench_api.py``); kernel times are what it measures. Written with provenance to
 ``results/train_profile_<device>.json``.
 """
 
@@ -48,6 +51,8 @@ def category(name: str, ours: set[str]) -> str:
     low = name.lower()
     if any(k in low for k in ("nvjet", "gemm", "xmma", "cutlass")):
         return "GEMM (cuBLAS)"
+    if "dtoh" in low or "htod" in low:
+        return "host transfers"
     if "memcpy" in low or "copy" in low:
         return "copies"
     if "sdpa" in low or "flash" in low or "attention" in low:

@@ -21,12 +21,17 @@ signature and replayed:
    the SR streams (layers of one shape and recipe share it, whatever their streams): every call
    copies its inputs into the graph's static buffers, each stream's state into its twin, replays,
    copies the advanced state back and returns copies of the static outputs (inputs and outputs
-   each in one multi-tensor copy).
+   each in one multi-tensor copy);
+4. where the caller names itself (``owner``; for the layer ``KernelOptions.layer_graphs_owned_outputs``,
+   on by default), the inputs are copied in as in 3, but the replay is of a graph of the caller's
+   own, reading those static inputs and writing outputs it owns, returned without a copy out
+   whenever no one holds the caller's previous outputs (in training, by a layer's next call the
+   backward has consumed them); otherwise 3.
 
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
-The price: one capture per signature (and per input addresses), the in-place graphs' outputs kept
-between calls, and in the copying tier a copy of every input and output. This is what
+The price: one capture per signature (and per input addresses, or per owner), the in-place and
+owned graphs' outputs kept between calls, and in the copying tier a copy of every input and output. This is what
 ``torch.compile``'s ``mode="reduce-overhead"`` (CUDA graph trees) does for a whole model, here for
 one function.
 
@@ -105,6 +110,9 @@ class GraphedCalls:
         self._in_place: OrderedDict[Hashable, _Entry] = OrderedDict()   # by signature and input addresses
         self._in_place_captures = 0
         self._owners: dict[Hashable, _Owner] = {}   # by (sig, owner): the in-place tier's record of a caller
+        self._owned: OrderedDict[Hashable, _Entry] = OrderedDict()   # by (sig, owner): the owned-outputs tier
+        self._owned_captures = 0
+        self._owned_failed: set[Hashable] = set()
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -112,7 +120,7 @@ class GraphedCalls:
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._in_place)
+        return len(self._entries) + len(self._in_place) + len(self._owned)
 
     def clear(self) -> None:
         """Drop every graph and its static buffers, and forget the signatures seen."""
@@ -121,6 +129,9 @@ class GraphedCalls:
             self._in_place.clear()
             self._in_place_captures = 0
             self._owners.clear()
+            self._owned.clear()
+            self._owned_captures = 0
+            self._owned_failed.clear()
             self._calls.clear()
             self._direct.clear()
             self._pools.clear()
@@ -129,7 +140,7 @@ class GraphedCalls:
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
                  keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None,
-                 in_place: Hashable | None = None) -> tuple[torch.Tensor, ...]:
+                 in_place: Hashable | None = None, owner: Hashable | None = None) -> tuple[torch.Tensor, ...]:
         """``fn(*tensors, streams=streams)``, from a CUDA graph once the signature has been seen
         ``capture_after`` times.
 
@@ -153,6 +164,11 @@ class GraphedCalls:
                 replays a graph that reads them where they are and writes outputs that belong to
                 it, returned without a copy (:meth:`_call_in_place`); otherwise the copies above.
                 None: copies only.
+            owner: a name for the caller (a layer and a direction), for a ``fn`` that takes
+                ``out=`` as above: its calls copy their inputs in and, when no one holds the
+                outputs of its previous call any more, replay a graph of its own that writes
+                outputs it owns, returned without a copy (:meth:`_call_owned`); otherwise the
+                copies above. None: no such graph.
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns, or, from
@@ -196,19 +212,90 @@ class GraphedCalls:
                     return fn(*tensors, streams=streams)
             else:
                 self._entries.move_to_end(sig)
-                pairs = [(dst, src) for dst, src in zip(entry.inputs, tensors) if dst is not None and dst.numel()]
-                if pairs:   # one multi-tensor copy for all inputs: launches cost more than these bytes
-                    torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
-            for i, twin in entry.twins:
-                twin.copy_(streams[i])
-            entry.graph.replay()
-            for i, twin in entry.twins:
-                streams[i].copy_(twin)
+                own = None if owner is None else self._owned_entry(fn, sig, entry, streams, keep, stream, owner)
+                self._copy_in(entry, tensors)
+                if own is not None:   # outputs of the caller's own graph, no copy out
+                    self._replay(own, streams)
+                    return tuple(o.detach() for o in own.outputs)
+            self._replay(entry, streams)
             outputs = [torch.empty_like(o) if o.numel() else o for o in entry.outputs]
             full = [i for i, o in enumerate(entry.outputs) if o.numel()]
             if full:
                 torch._foreach_copy_([outputs[i] for i in full], [entry.outputs[i] for i in full])
             return tuple(outputs)
+
+    @staticmethod
+    def _copy_in(entry: _Entry, tensors: Sequence[torch.Tensor | None]) -> None:
+        """This call's inputs into the copying graph's static buffers."""
+        pairs = [(dst, src) for dst, src in zip(entry.inputs, tensors) if dst is not None and dst.numel()]
+        if pairs:   # one multi-tensor copy for all inputs: launches cost more than these bytes
+            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+
+    @staticmethod
+    def _replay(entry: _Entry, streams: tuple[SRStream, ...]) -> None:
+        """Replay ``entry``'s graph, the SR streams it draws from carried into its twins and back."""
+        for i, twin in entry.twins:
+            twin.copy_(streams[i])
+        entry.graph.replay()
+        for i, twin in entry.twins:
+            streams[i].copy_(twin)
+
+    def _owned_entry(self, fn, sig, entry: _Entry, streams, keep, stream, owner: Hashable) -> _Entry | None:
+        """The owned-outputs tier: ``owner``'s own graph for this signature, or None where the copying
+        graph's copies out must run instead.
+
+        The graph reads the copying graph's static inputs (the call copies its inputs there as
+        usual) and its own twins of the streams, and writes outputs allocated for it outside the
+        graphs' pool, which the call returns as aliases (``detach()``). Its replay would overwrite
+        what its previous replay returned, so it replays only once no caller holds any of those
+        outputs (storage use counts, as in :meth:`_call_in_place`); layers of one shape each have
+        their own graph, so in training an owner's outputs are free again by its next call (the
+        previous step's backward has consumed them). Captured at the owner's first call once the
+        copying graph exists; at most :attr:`max_in_place` kept (least recently used dropped) and
+        ``2 * max_in_place`` captured."""
+        who = (sig, owner)
+        own = self._owned.get(who)
+        if own is None:
+            if who in self._owned_failed or self._owned_captures >= 2 * self.max_in_place or not self.max_in_place:
+                return None
+            self._owned_captures += 1
+            own = self._capture_owned(fn, entry, streams, keep, stream)
+            if own is None:
+                self._owned_failed.add(who)
+                return None
+            self._owned[who] = own
+            while len(self._owned) > self.max_in_place:
+                self._owned.popitem(last=False)
+        elif not own.outputs_free():
+            return None
+        self._owned.move_to_end(who)
+        return own
+
+    def _capture_owned(self, fn, entry: _Entry, streams, keep, stream) -> _Entry | None:
+        twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
+        before = [t.get_state() for t in twins]
+        # the outputs: a direct call's on the static inputs (whatever they hold: the graph, not this
+        # call, computes what is returned), kept; it advances the twins, which shows which are used
+        outputs = tuple(fn(*entry.inputs, streams=twins))
+        used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
+        where = (stream.device_index, stream.cuda_stream)
+        pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
+        try:
+            graph, returned = capture(lambda: fn(*entry.inputs, streams=twins, out=outputs), warmup=0, pool=pool,
+                                      stream=torch.cuda.Stream(stream.device), capture_error_mode="thread_local")
+            if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
+                raise RuntimeError("the function did not return the out= tensors it was given")
+        except Exception as err:  # noqa: BLE001 -- this caller then always takes the copies out
+            self._pools.pop(where, None)
+            warnings.warn(f"nvfp4lab: a CUDA graph with outputs of its own could not be captured "
+                          f"({type(err).__name__}: {err}); these calls copy their outputs out",
+                          RuntimeWarning, stacklevel=4)
+            return None
+        del returned
+        refs = tuple((ref, torch._C._storage_Use_Count(ref.cdata))
+                     for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
+        # inputs: the copying graph's static buffers, which this graph reads, held as long as it is
+        return _Entry(graph, entry.inputs, outputs, used, tuple(keep), refs)
 
     #: In-place captures an owner may make; one whose input addresses keep changing then copies.
     OWNER_CAPTURES = 3

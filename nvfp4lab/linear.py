@@ -653,6 +653,7 @@ def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, n
                         ("fprop", state.recipe, id(opts), need_dgrad, need_wgrad), (x2d, weight, bias),
                         streams=(stream,), keep=(opts,),
                         in_place=("fprop", state.key) if opts.layer_graphs_in_place else None,
+                        owner=("fprop", state.key) if opts.layer_graphs_owned_outputs else None,
                         eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
                         and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
 
@@ -669,6 +670,7 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
                                                                         out=out),
                         ("bprop", state.recipe, id(opts), *rest), (dy, saved), streams=(stream,), keep=(opts,),
                         in_place=("bprop", state.key) if opts.layer_graphs_in_place else None,
+                        owner=("bprop", state.key) if opts.layer_graphs_owned_outputs else None,
                         eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))
 
 

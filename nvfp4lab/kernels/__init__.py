@@ -119,9 +119,10 @@ class KernelOptions:
             reference (False); identical codes.
         config: tile shapes and warps per kernel mode (read-only mappings).
         layer_graphs: replay an eager :class:`~nvfp4lab.linear.NVFP4Linear` forward and backward
-            from CUDA graphs captured per shape (:mod:`nvfp4lab.cuda_graphs`: bit-identical, one
-            copy of inputs and outputs more, the launch overhead of ~20 kernels gone); False: the
-            kernels launched one by one.
+            from CUDA graphs captured per shape (:mod:`nvfp4lab.cuda_graphs`: bit-identical, a
+            copy of the inputs in and, where the layer's own graph cannot hand out its outputs, of
+            the outputs out; the launch overhead of ~20 kernels gone); False: the kernels launched
+            one by one.
         layer_graphs_in_place: with ``layer_graphs``, a layer whose inputs sit at the same
             addresses call after call replays a graph that reads them in place and returns outputs
             it owns, without the copies in and out (the in-place tier of
@@ -130,6 +131,15 @@ class KernelOptions:
             large, while in GPT-2-small training, whose activations move between steps until the
             allocator settles, it measured slower than the copies (``benchmarks/bench_api.py``
             measures both: ``eager_in_place``).
+        layer_graphs_owned_outputs: with ``layer_graphs``, each layer and direction also has a
+            graph of its own that writes outputs it owns (the copying tier's inputs, copied in as
+            usual): a call returns those without copying them out, whenever nothing holds the
+            outputs of that layer's previous call any more (in training, by its next call: the
+            backward has consumed them), and otherwise copies them out (the
+            ``owner`` tier of :class:`nvfp4lab.cuda_graphs.GraphedCalls`). The outputs stay
+            allocated between calls: GPT-2-small training under ``torch.compile`` measured faster
+            and with a higher peak memory than with the copies (``benchmarks/bench_api.py``:
+            ``compile`` against ``compile_copy_out``).
         launch_cache: launch a kernel whose launch signature was seen before through the compiled
             kernel Triton returned for it (:func:`_launch`: the same binary and arguments, a
             fraction of the host time), and plan ``quantize(x)``'s launches per call signature
@@ -148,6 +158,7 @@ class KernelOptions:
     interpret_on_cpu: bool = False
     layer_graphs: bool = True
     layer_graphs_in_place: bool = False
+    layer_graphs_owned_outputs: bool = True
     launch_cache: bool = True
     config: Mapping[str, Mapping[str, int]] = dataclasses.field(
         default_factory=lambda: MappingProxyType({k: MappingProxyType(dict(v)) for k, v in _DEFAULT_CONFIG.items()}))

@@ -191,6 +191,49 @@ def test_in_place_layer_graphs_read_inputs_where_they_are_and_spare_held_outputs
     assert torch.equal(layers[0].sr_streams()[0].get_state(), layers[1].sr_streams()[0].get_state())
 
 
+def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones():
+    """With ``layer_graphs_owned_outputs``, two layers of one shape (one copying graph per
+    direction, shared) each get a graph of their own per direction that writes outputs it owns;
+    inputs are fresh tensors every step (new addresses: copied in). Outputs a caller still holds
+    (step 4's Y, dX and dWs) are not overwritten: those layers copy out meanwhile. Every step gives
+    the bits of the kernels launched one by one, SR streams included."""
+    LAYER_GRAPHS.clear()
+    torch.manual_seed(0)
+    model = [NVFP4Linear(1024, 1024, device=DEV, dtype=torch.bfloat16, seed=s) for s in (3, 4)]
+    twin = [NVFP4Linear(1024, 1024, device=DEV, dtype=torch.bfloat16, seed=s) for s in (3, 4)]
+    for a, b in zip(model, twin):
+        b.load_state_dict(a.state_dict())
+
+    def steps(layers, hold_at=None):
+        got, held = [], []
+        for i in range(7):
+            x = _x((512, 1024), 50 + i).requires_grad_()
+            for m in layers:
+                m.weight.grad = m.bias.grad = None
+            y = layers[1](layers[0](x))
+            y.backward(_x((512, 1024), 60 + i))
+            rec = [y, x.grad, layers[0].weight.grad, layers[1].weight.grad, layers[1].bias.grad]
+            got.append([t.detach().clone() for t in rec])
+            if i == hold_at:
+                held = rec
+            del x, y, rec
+        return got, held
+
+    with kernels.use_options(layer_graphs_owned_outputs=True):
+        got, held = steps(model, hold_at=4)
+    owners = [who[1] for who in LAYER_GRAPHS._owned]   # (sig, owner), owner = (direction, layer key)
+    assert sorted(owners) == sorted((d, m._state.key) for d in ("fprop", "bprop") for m in model)
+    with kernels.use_options(layer_graphs=False):
+        ref, _ = steps(twin)
+    for step_got, step_ref in zip(got, ref):
+        for a, b in zip(step_got, step_ref):
+            assert torch.equal(a, b)
+    for a, b in zip(held, got[4]):
+        assert torch.equal(a, b), "a held output was overwritten"
+    for a, b in zip(model, twin):
+        assert torch.equal(a.sr_streams()[0].get_state(), b.sr_streams()[0].get_state())
+
+
 def test_graphed_calls_fall_back_on_a_host_sync_and_when_full():
     calls = GraphedCalls(max_entries=1)
     x = _x((64, 64), 1)
