@@ -47,7 +47,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.capabilities import require_device  # noqa: E402
-from nvfp4lab.linear import NVFP4Linear  # noqa: E402
+from nvfp4lab.linear import LAYER_GRAPHS, NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.quantize import quantize  # noqa: E402
 from nvfp4lab.timing import bench_ms, capture, median_ms  # noqa: E402
@@ -179,6 +179,7 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
         rows.append({"M": M, "K": K, "N": N, "rounds": rounds, "ms": ms, "ms_rounds": times,
                      "vs_bf16": {m: statistics.median(r) for m, r in ratios.items()},
                      "vs_bf16_spread": {m: _spread(r) for m, r in ratios.items()}})
+    LAYER_GRAPHS.clear()   # their buffers would count in the training section's peak memory
     return rows
 
 

@@ -137,6 +137,18 @@ class GraphedCalls:
             self._pools.clear()
             self._captures = 0
 
+    def forget(self, owner: Hashable) -> None:
+        """Drop the graphs of ``owner`` (the name given as ``owner`` or ``in_place``) and the
+        outputs they keep: for a caller that is gone (a deleted layer), whose graphs would
+        otherwise hold that memory until the least-recently-used rule drops them."""
+        with self._lock:
+            for who in [w for w in self._owned if w[1] == owner]:
+                del self._owned[who]
+            for who in [w for w in self._owners if w[1] == owner]:
+                graph_key = self._owners.pop(who).graph_key
+                if graph_key is not None:
+                    self._in_place.pop(graph_key, None)
+
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
                  keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None,

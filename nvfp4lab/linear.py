@@ -211,6 +211,8 @@ def capture_gemm_operands() -> Iterator[list[GemmOperand]]:
 # ----------------------------------------------------------------------------- the Function
 #: Layer states by key (see _LayerState._register), for the torch.compile custom ops.
 _STATES: "weakref.WeakValueDictionary[int, _LayerState]" = weakref.WeakValueDictionary()
+#: Keys of layer states collected since the last layer-graph call (list.append: safe from a finalizer).
+_GONE: list[int] = []
 
 @dataclass
 class _LayerState:
@@ -230,9 +232,11 @@ class _LayerState:
         self._register()
 
     def _register(self) -> None:
-        """Give this state the integer key the compile-mode custom ops find it by."""
+        """Give this state the integer key the compile-mode custom ops find it by (and its layer
+        graphs are named by); once the state is gone, those graphs are dropped (:func:`_run_fprop`)."""
         self.key = id(self)
         _STATES[self.key] = self
+        weakref.finalize(self, _GONE.append, self.key)
 
     def sr_generator(self, device: torch.device) -> "torch.Generator | SRStream":
         """The SR random source: the one given, else this layer's :class:`SRStream` on ``device``."""
@@ -647,6 +651,10 @@ def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, n
     (bit-identical)."""
     if stream is None or not (need_dgrad or need_wgrad):   # inference: shapes vary, launches are fewer
         return _fprop_packed(state, x2d, weight, bias, need_dgrad, need_wgrad)
+    while _GONE:   # the graphs of deleted layers, and the outputs they keep
+        key = _GONE.pop()
+        LAYER_GRAPHS.forget(("fprop", key))
+        LAYER_GRAPHS.forget(("bprop", key))
     opts = kernels.options()
     return LAYER_GRAPHS(lambda x, w, b, streams, out=None: _fprop_packed(_drawing_from(state, streams), x, w, b,
                                                                          need_dgrad, need_wgrad, out),

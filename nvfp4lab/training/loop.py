@@ -17,6 +17,7 @@ import torch
 import torch.nn as nn
 
 from ..data import ByteTokenizer, get_batch, load_corpus, shard_rows, split_tokens, validation_batches
+from .. import kernels
 from ..fp8_recipes import DELAYED_SCALING_BUFFERS
 from ..linear import LAYER_GRAPHS, block_recipe_for, convert_model, layer_precisions, set_high_precision_scope
 from ..model import GPT
@@ -501,7 +502,10 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                     side = torch.cuda.Stream(device)
                     side.wait_stream(torch.cuda.current_stream(device))
                     warmup_left -= 1
-                with torch.cuda.stream(side) if side is not None else nullcontext():
+                # a warm-up of the step's graph runs its layers' kernels one by one: graphs of their
+                # own, on a stream used once, would be captured for nothing and keep memory
+                with torch.cuda.stream(side) if side is not None else nullcontext(), \
+                        kernels.use_options(layer_graphs=False) if side is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
                     micro, local = cfg.grad_accum_steps, 0.0
                     for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):

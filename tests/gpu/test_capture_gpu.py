@@ -5,6 +5,8 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_capture_gpu.py``. SR draw
 bits in eager code and in every replay, which draws fresh keys.
 """
 
+import gc
+
 import pytest
 import torch
 
@@ -232,6 +234,14 @@ def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones()
         assert torch.equal(a, b), "a held output was overwritten"
     for a, b in zip(model, twin):
         assert torch.equal(a.sr_streams()[0].get_state(), b.sr_streams()[0].get_state())
+    gone = {m._state.key for m in model}
+    del model, held
+    gc.collect()
+    with kernels.use_options(layer_graphs_owned_outputs=True):
+        steps(twin)   # a layer call with graphs drops the graphs of layers collected meanwhile
+    assert not any(who[1][1] in gone for who in LAYER_GRAPHS._owned)
+    assert sorted(who[1] for who in LAYER_GRAPHS._owned) == sorted((d, m._state.key) for d in ("fprop", "bprop")
+                                                                  for m in twin)
 
 
 def test_graphed_calls_fall_back_on_a_host_sync_and_when_full():
