@@ -235,7 +235,7 @@ def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones()
     for a, b in zip(model, twin):
         assert torch.equal(a.sr_streams()[0].get_state(), b.sr_streams()[0].get_state())
     gone = {m._state.key for m in model}
-    del model, held
+    del model, held, a, b   # (a: the last layer of the loop above)
     gc.collect()
     with kernels.use_options(layer_graphs_owned_outputs=True):
         steps(twin)   # a layer call with graphs drops the graphs of layers collected meanwhile
