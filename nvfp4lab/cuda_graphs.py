@@ -290,24 +290,34 @@ class GraphedCalls:
         # call, computes what is returned), kept; it advances the twins, which shows which are used
         outputs = tuple(fn(*entry.inputs, streams=twins))
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
+        done = self._capture_into(lambda: fn(*entry.inputs, streams=twins, out=outputs), outputs, stream,
+                                  "these calls copy their outputs out")
+        if done is None:   # this caller then always takes the copies out
+            return None
+        # inputs: the copying graph's static buffers, which this graph reads, held as long as it is
+        return _Entry(done[0], entry.inputs, outputs, used, tuple(keep), done[1])
+
+    def _capture_into(self, run: Callable[[], tuple], outputs: tuple[torch.Tensor, ...], stream,
+                      failure: str) -> tuple[Any, tuple] | None:
+        """Capture ``run()``, a call that writes into ``outputs`` and returns them, on a capture stream
+        of its own, in the graphs' pool of ``stream``: (the graph, a weak reference to each output's
+        storage with its use count now, while only the graph's entry will hold it), or None after a
+        ``RuntimeWarning`` ending in ``failure``."""
         where = (stream.device_index, stream.cuda_stream)
         pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
         try:
-            graph, returned = capture(lambda: fn(*entry.inputs, streams=twins, out=outputs), warmup=0, pool=pool,
-                                      stream=torch.cuda.Stream(stream.device), capture_error_mode="thread_local")
+            graph, returned = capture(run, warmup=0, pool=pool, stream=torch.cuda.Stream(stream.device),
+                                      capture_error_mode="thread_local")
             if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
                 raise RuntimeError("the function did not return the out= tensors it was given")
-        except Exception as err:  # noqa: BLE001 -- this caller then always takes the copies out
+        except Exception as err:  # noqa: BLE001 -- the caller falls back to copies
             self._pools.pop(where, None)
-            warnings.warn(f"nvfp4lab: a CUDA graph with outputs of its own could not be captured "
-                          f"({type(err).__name__}: {err}); these calls copy their outputs out",
-                          RuntimeWarning, stacklevel=4)
+            warnings.warn(f"nvfp4lab: a CUDA graph writing outputs of its own could not be captured "
+                          f"({type(err).__name__}: {err}); {failure}", RuntimeWarning, stacklevel=5)
             return None
         del returned
-        refs = tuple((ref, torch._C._storage_Use_Count(ref.cdata))
-                     for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
-        # inputs: the copying graph's static buffers, which this graph reads, held as long as it is
-        return _Entry(graph, entry.inputs, outputs, used, tuple(keep), refs)
+        return graph, tuple((ref, torch._C._storage_Use_Count(ref.cdata))
+                            for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
 
     #: In-place captures an owner may make; one whose input addresses keep changing then copies.
     OWNER_CAPTURES = 3
@@ -370,23 +380,12 @@ class GraphedCalls:
         # the outputs: a direct call's, kept (the graph writes into them); on twins of the streams,
         # which that call advances and the capture, which runs nothing, does not
         outputs = tuple(fn(*tensors, streams=tuple(SRStream(0, s.device).copy_(s) for s in streams)))
-        where = (stream.device_index, stream.cuda_stream)
-        pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
-        try:
-            graph, returned = capture(lambda: fn(*tensors, streams=streams, out=outputs), warmup=0, pool=pool,
-                                      stream=torch.cuda.Stream(stream.device), capture_error_mode="thread_local")
-            if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
-                raise RuntimeError("the function did not return the out= tensors it was given")
-        except Exception as err:  # noqa: BLE001 -- this signature then always takes the copying tier
-            self._pools.pop(where, None)
-            warnings.warn(f"nvfp4lab: an in-place CUDA graph could not be captured ({type(err).__name__}: {err}); "
-                          "these calls copy their inputs and outputs", RuntimeWarning, stacklevel=4)
+        done = self._capture_into(lambda: fn(*tensors, streams=streams, out=outputs), outputs, stream,
+                                  "these calls copy their inputs and outputs")
+        if done is None:   # this signature then always takes the copying tier
             return None
-        del returned
-        refs = tuple((ref, torch._C._storage_Use_Count(ref.cdata))
-                     for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
         self._in_place_captures += 1
-        entry = _Entry(graph, (), outputs, (), tuple(keep), refs)
+        entry = _Entry(done[0], (), outputs, (), tuple(keep), done[1])
         self._in_place[full] = entry
         while len(self._in_place) > self.max_in_place:
             self._in_place.popitem(last=False)
