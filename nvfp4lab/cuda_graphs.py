@@ -31,9 +31,9 @@ signature and replayed:
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
 The price: one capture per signature (and per input addresses, or per owner), the in-place and
-owned graphs' outputs kept between calls, and in the copying tier a copy of every input and output. This is what
-``torch.compile``'s ``mode="reduce-overhead"`` (CUDA graph trees) does for a whole model, here for
-one function.
+owned graphs' outputs kept between calls, and in the copying tier a copy of every input and output.
+This is what ``torch.compile``'s ``mode="reduce-overhead"`` (CUDA graph trees) does for a whole
+model, here for one function.
 
 Graphs replayed on one CUDA stream share one memory pool: their intermediates are dead once a
 replay's outputs are cloned (copying tier) or written to the in-place graph's own outputs, which
@@ -179,7 +179,7 @@ class GraphedCalls:
             owner: a name for the caller (a layer and a direction), for a ``fn`` that takes
                 ``out=`` as above: its calls copy their inputs in and, when no one holds the
                 outputs of its previous call any more, replay a graph of its own that writes
-                outputs it owns, returned without a copy (:meth:`_call_owned`); otherwise the
+                outputs it owns, returned without a copy (:meth:`_owned_entry`); otherwise the
                 copies above. None: no such graph.
 
         Returns:
