@@ -258,8 +258,8 @@ class NVFP4Tensor:
     def block_values(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """``code × E4M3 block scale`` as ``[M, K]`` in ``dtype``, without the per-tensor factor.
 
-        Each product has at most 5 significant bits and lies in ``[2^-10, 2688]``,
-        so it is exact in BF16, FP16 (normal range permitting) and FP32: the
+        Each product has at most 6 significant bits (2 of the E2M1 value, 4 of the E4M3
+        scale) and lies in ``[2^-10, 2688]``, so it is exact in BF16, FP16 (normal range permitting) and FP32: the
         operand a real NVFP4 tensor core multiplies. BF16 comes from the Triton kernels where
         they run (or from :attr:`values_bf16` when the quantize kernel wrote it), bit-identical.
         """
