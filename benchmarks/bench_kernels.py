@@ -46,7 +46,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
 from nvfp4lab import kernels  # noqa: E402
-from nvfp4lab.capabilities import require_device  # noqa: E402
+from nvfp4lab.capabilities import import_transformer_engine, require_device  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.timing import bench_ms, graph_ms, median_ms  # noqa: E402
 from nvfp4lab.quantize import quantize, quantize_rowwise_columnwise  # noqa: E402
@@ -430,6 +430,10 @@ def run(args: argparse.Namespace) -> int:
         fp32_sizes = [s for s in fp32_sizes if s in sizes]
     if args.linear_shapes == "main":
         lin_shapes = lin_shapes[:1]
+    if "linear" not in skip and device == "cuda":
+        # TE first: environment() initializes cuDNN, after which TE's import can fail on a host whose
+        # system cuDNN clashes with torch's (the reason gpu_te_report.py imports it first, too)
+        import_transformer_engine()
     env = environment(device)
     result: dict[str, Any] = {"environment": env, "meta": _meta(device),
                               "args": {k: str(v) for k, v in vars(args).items()}}
