@@ -193,10 +193,10 @@ def _linear_variants(device: str, K: int, N: int, with_reference: bool):
     if NVFP4Linear is not None:
         if kernels.available(device):
             def fast():
-                gen = torch.Generator(device).manual_seed(0)
-                layer = NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, generator=gen)
-                layer.sr_generators = (gen,)  # registered with the CUDA graph (SR draws per replay)
-                return layer
+                # the layer's own SR stream (seeded): state on the GPU, so eager calls replay the layer's
+                # own CUDA graphs (the default a user gets; a torch.Generator would turn them off) and a
+                # captured step draws fresh keys per replay without registering a generator
+                return NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, seed=0)
 
             variants["nvfp4_linear_triton"] = fast
         if with_reference:
@@ -284,8 +284,7 @@ def bench_linear(device: str, shapes: list[tuple[str, int, int, int]], repeat: i
             if device == "cuda" and not slow and not name.startswith("te_"):
                 try:
                     x.grad = None
-                    g_ms = graph_ms(lambda mod=mod: mod(x).backward(dy), rep_ms=300,
-                                         generators=tuple(getattr(mod, "sr_generators", ())))
+                    g_ms = graph_ms(lambda mod=mod: mod(x).backward(dy), rep_ms=300)
                 except Exception as exc:  # report and continue
                     graph_err = repr(exc)[:300]
             if name == "bf16_nn.Linear":
