@@ -188,7 +188,9 @@ def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]
     modes = {"eager": {}, "eager_no_graphs": {}, "compile": {"compile": True}, "compile_copy_out": {"compile": True},
              "cuda_graph": {"cuda_graph": True, "graph_optimizer": device == "cuda"},
              "compile_cuda_graph": {"compile": True, "cuda_graph": True, "graph_optimizer": device == "cuda"}}
-    options = {"eager_no_graphs": dict(layer_graphs=False), "compile_copy_out": dict(layer_graphs_owned_outputs=False)}
+    # NVFP4-only variants: (the mode whose BF16 run they are compared with, the kernel options they change)
+    options = {"eager_no_graphs": ("eager", dict(layer_graphs=False)),
+               "compile_copy_out": ("compile", dict(layer_graphs_owned_outputs=False))}
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for mode, extra in modes.items():
@@ -196,11 +198,11 @@ def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]
                 continue
             tps = {}
             for precision in ("bf16", "nvfp4"):
-                if mode in options and precision == "bf16":   # BF16 has no layer graphs: its run in that mode
-                    tps[precision] = next(r for r in rows if r["mode"] == mode.split("_")[0])["bf16"]
+                if mode in options and precision == "bf16":   # BF16 has no layer graphs: its run in the base mode
+                    tps[precision] = next(r for r in rows if r["mode"] == options[mode][0])["bf16"]
                     continue
                 torch._dynamo.reset()
-                with kernels.use_options(**options.get(mode, {})):
+                with kernels.use_options(**(options[mode][1] if mode in options else {})):
                     res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
                                             out=f"{tmp}/{mode}-{precision}", progress=False, plot=False,
                                             eval_interval=steps, checkpoint_interval=0, **extra))
