@@ -62,7 +62,7 @@ JSON schema (``schema`` = ``"nvfp4lab.te_gpu_report/1"``)::
     training:     setup {preset, model (GPTConfig dict), batch_size, seq_len, tokens_per_step,
                   steps, lr, warmup_steps, eval_every, eval_batches, corpus {..}, device, timing_skip},
                   runs {<name>: {status ("ok"|"error"|"refused"|"skipped"), backend, precision,
-                  te_recipe, layers {nvfp4, fp8, high}, train_loss [per step], val_curve [[step, loss]],
+                  kernel_options (nvfp4lab.kernels.use_options changes, e.g. {layer_graphs: False}), te_recipe, layers {nvfp4, fp8, high}, train_loss [per step], val_curve [[step, loss]],
                   final_train_loss (mean of last 10 steps), final_val_loss, tokens_per_s,
                   step_ms_median, peak_memory_bytes, peak_memory_kind, wall_s, error?}}
     reference_vs_nvfp4lab: shape {M, K, N}, tolerance {rel_fro, why}, quantizer_bit_exact {..},
@@ -281,6 +281,7 @@ def section_nvfp4_refusal(args) -> dict[str, Any]:
 def _train_one(spec: dict[str, Any], setup: dict[str, Any], args, device: torch.device, out: Path) -> dict[str, Any]:
     """One run of ``spec`` through the library's training loop (``nvfp4lab.train``), reported in
     this file's layout: the loop does the training, CUDA-graph capture and steady-state timing."""
+    from nvfp4lab import kernels
     from nvfp4lab import te as T
     from nvfp4lab.precisions import get_precision
     from nvfp4lab.training import GRAPH_WARMUP_STEPS, NonFiniteError, TrainConfig, train
@@ -301,7 +302,8 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], args, device: torch.
         timing_warmup_steps=setup["timing_skip"], log_interval=1, checkpoint_interval=0, progress=False,
         plot=False, name=spec["name"], out=str(out / spec["name"]))
     try:
-        r = train(cfg)
+        with kernels.use_options(**spec.get("kernel_options", {})):
+            r = train(cfg)
         status, error = "ok", None
     except T.TransformerEngineUnavailable as exc:
         raise Skip(f"Transformer Engine unavailable: {str(exc).splitlines()[0]}") from None
@@ -312,6 +314,7 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], args, device: torch.
     start = next(rec for rec in records if rec.get("event") == "start")
     run: dict[str, Any] = {
         "backend": backend, "precision": precision, "status": status,
+        "kernel_options": spec.get("kernel_options", {}),
         "te_recipe": get_precision(precision).te_recipe if backend == "te" else None,
         "layers": r.layers, "train_loss": [round(v, 5) for v in losses],
         "val_curve": [[s_, round(v, 5)] for s_, v in r.val_curve],
@@ -342,9 +345,14 @@ TRAIN_RUNS = (
     {"name": "nvfp4lab-bf16-graph", "backend": "nvfp4lab", "precision": "bf16", "graph": True},
     {"name": "nvfp4lab-nvfp4-graph", "backend": "nvfp4lab", "precision": "nvfp4", "graph": True},
 )
-#: Only when named in --runs: TE's pure-PyTorch NVFP4 reference through the TE model (slow).
+#: Only when named in --runs: TE's pure-PyTorch NVFP4 reference through the TE model (slow), and
+#: eager NVFP4 without the layers' own CUDA graphs.
 OPTIONAL_RUNS = (
     {"name": "te-nvfp4-reference", "backend": "te", "precision": "nvfp4-reference"},
+    # eager NVFP4 with its layers' kernels launched one by one: no layer graphs, whose buffers and
+    # outputs add to the peak (what nvfp4lab.plan does not count)
+    {"name": "nvfp4lab-nvfp4-no-layer-graphs", "backend": "nvfp4lab", "precision": "nvfp4",
+     "kernel_options": {"layer_graphs": False}},
 )
 
 
