@@ -62,9 +62,11 @@ JSON schema (``schema`` = ``"nvfp4lab.te_gpu_report/1"``)::
     training:     setup {preset, model (GPTConfig dict), batch_size, seq_len, tokens_per_step,
                   steps, lr, warmup_steps, eval_every, eval_batches, corpus {..}, device, timing_skip},
                   runs {<name>: {status ("ok"|"error"|"refused"|"skipped"), backend, precision,
-                  kernel_options (nvfp4lab.kernels.use_options changes, e.g. {layer_graphs: False}), te_recipe, layers {nvfp4, fp8, high}, train_loss [per step], val_curve [[step, loss]],
+                  kernel_options (nvfp4lab.kernels.use_options changes, e.g. {layer_graphs: False}),
+                  te_recipe, layers {nvfp4, fp8, high}, train_loss [per step], val_curve [[step, loss]],
                   final_train_loss (mean of last 10 steps), final_val_loss, tokens_per_s,
-                  step_ms_median, peak_memory_bytes, peak_memory_kind, wall_s, error?}}
+                  step_ms_median, peak_memory_bytes, peak_memory_kind, allocated_at_start_bytes (left by
+                  earlier runs of the process when the peak counter was reset), wall_s, error?}}
     reference_vs_nvfp4lab: shape {M, K, N}, tolerance {rel_fro, why}, quantizer_bit_exact {..},
                   cases {bf16: {y|dx|dw: {rel_fro_vs_te, max_abs_diff, frac_elements_differ,
                   max_ulp_diff, rel_fro_te_vs_bf16, rel_fro_nvfp4lab_vs_bf16}}, fp32: {..}},
@@ -77,6 +79,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import datetime as dt
 import json
 import os
@@ -291,9 +294,12 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], args, device: torch.
         raise Skip("--backend te needs a CUDA GPU")
     if graphed and device.type != "cuda":
         raise Skip("CUDA-graph runs need a CUDA GPU")
+    allocated_at_start = None
     if device.type == "cuda":
+        gc.collect()   # a previous run's CUDA graphs, kept by reference cycles, would count in this peak
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats(device)
+        allocated_at_start = torch.cuda.memory_allocated(device)
     cfg = TrainConfig(
         preset=setup["preset"], precision=precision, backend=backend, steps=setup["steps"],
         batch_size=setup["batch_size"], seq_len=setup["seq_len"], lr=setup["lr"],
@@ -322,6 +328,7 @@ def _train_one(spec: dict[str, Any], setup: dict[str, Any], args, device: torch.
         "final_val_loss": r.final_val_loss, "tokens_per_s": r.tokens_per_s, "step_ms_median": r.step_ms_median,
         "wall_s": round(r.wall_time_s, 3), "num_parameters": int(start["params"]),
         "peak_memory_bytes": r.peak_memory_bytes if device.type == "cuda" else None,
+        "allocated_at_start_bytes": allocated_at_start,
         "peak_memory_kind": ("torch.cuda.max_memory_allocated (weights, AdamW state, activations)"
                              if device.type == "cuda" else "not measured on CPU"),
     }
