@@ -117,13 +117,17 @@ class GraphedCalls:
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
         self._pools: dict[tuple[int, int], Any] = {}
+        # one capture stream per caller stream, kept across clear(): PyTorch keeps a cuBLAS workspace
+        # (32 MiB on Hopper) for every stream cuBLAS ran on, so a new stream per capture held one per graph
+        self._capture_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._in_place) + len(self._owned)
 
     def clear(self) -> None:
-        """Drop every graph and its static buffers, and forget the signatures seen."""
+        """Drop every graph and its static buffers, and forget the signatures seen (the capture
+        streams, one per caller stream, are kept, and with them their cuBLAS workspaces)."""
         with self._lock:
             self._entries.clear()
             self._in_place.clear()
@@ -297,6 +301,13 @@ class GraphedCalls:
         # inputs: the copying graph's static buffers, which this graph reads, held as long as it is
         return _Entry(done[0], entry.inputs, outputs, used, tuple(keep), done[1])
 
+    def _capture_stream(self, where: tuple[int, int], device) -> "torch.cuda.Stream":
+        """The stream the graphs replayed on caller stream ``where`` are captured on (made once)."""
+        side = self._capture_streams.get(where)
+        if side is None:
+            side = self._capture_streams[where] = torch.cuda.Stream(device)
+        return side
+
     def _capture_into(self, run: Callable[[], tuple], outputs: tuple[torch.Tensor, ...], stream,
                       failure: str) -> tuple[Any, tuple] | None:
         """Capture ``run()``, a call that writes into ``outputs`` and returns them, on a capture stream
@@ -306,12 +317,13 @@ class GraphedCalls:
         where = (stream.device_index, stream.cuda_stream)
         pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
         try:
-            graph, returned = capture(run, warmup=0, pool=pool, stream=torch.cuda.Stream(stream.device),
+            graph, returned = capture(run, warmup=0, pool=pool, stream=self._capture_stream(where, stream.device),
                                       capture_error_mode="thread_local")
             if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
                 raise RuntimeError("the function did not return the out= tensors it was given")
         except Exception as err:  # noqa: BLE001 -- the caller falls back to copies
             self._pools.pop(where, None)
+            self._capture_streams.pop(where, None)
             warnings.warn(f"nvfp4lab: a CUDA graph writing outputs of its own could not be captured "
                           f"({type(err).__name__}: {err}); {failure}", RuntimeWarning, stacklevel=5)
             return None
@@ -399,13 +411,15 @@ class GraphedCalls:
         where = (stream.device_index, stream.cuda_stream)
         pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
         try:
-            # a capture stream of its own: a capture that fails leaves its stream (and pool) tied to
-            # the allocator's recording state, so neither is used again
             graph, outputs = capture(lambda: fn(*inputs, streams=twins), warmup=1, pool=pool,
-                                     stream=torch.cuda.Stream(stream.device), capture_error_mode="thread_local")
+                                     stream=self._capture_stream(where, stream.device),
+                                     capture_error_mode="thread_local")
         except Exception as err:  # noqa: BLE001 -- e.g. a host synchronization inside fn: run it directly
             self._direct.add(sig)
+            # a capture that fails leaves its stream (and pool) tied to the allocator's recording
+            # state, so neither is used again
             self._pools.pop(where, None)
+            self._capture_streams.pop(where, None)
             warnings.warn(f"nvfp4lab: a CUDA graph could not be captured ({type(err).__name__}: {err}); "
                           "this call signature runs without one", RuntimeWarning, stacklevel=3)
             return None

@@ -87,7 +87,8 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
 
     ``pool``, ``stream`` and ``capture_error_mode`` are passed to ``torch.cuda.graph`` (a memory
     pool shared with other graphs; the stream to capture on; ``"thread_local"`` lets other
-    threads use CUDA during the capture).
+    threads use CUDA during the capture). The warm-up runs on ``stream`` when one is given, else on
+    a new stream: PyTorch keeps a cuBLAS workspace for every stream cuBLAS ran on, for the process.
 
     Returns:
         ``(graph, outputs)``: ``graph.replay()`` reruns the captured work, writing into the
@@ -96,7 +97,7 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
     Raises:
         What the capture raises (e.g. a host synchronization inside ``fn``).
     """
-    side = torch.cuda.Stream()
+    side = stream if stream is not None else torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):

@@ -244,6 +244,47 @@ def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones()
                                                                   for m in twin)
 
 
+def test_clearing_the_layer_graphs_gives_their_memory_back():
+    """Eager steps of six layers capture over a dozen graphs; once they are cleared, what stays
+    allocated is at most the cuBLAS workspace (32 MiB on Hopper) of the one stream they are captured
+    on: PyTorch keeps a workspace for every stream cuBLAS ran on, for the process, so a new capture
+    stream per graph kept one per graph (1.3 GB after GPT-2-small training on an H200)."""
+    LAYER_GRAPHS.clear()
+    gc.collect()
+    layers = [NVFP4Linear(512, 512, device=DEV, dtype=torch.bfloat16, seed=s) for s in range(6)]
+    x = _x((256, 512), 1).requires_grad_()
+    gy = _x((256, 512), 2)
+
+    def step():
+        x.grad = None
+        for m in layers:
+            m.weight.grad = m.bias.grad = None
+        y = x
+        for m in layers:
+            y = m(y)
+        y.backward(gy)
+
+    with kernels.use_options(layer_graphs=False):
+        step()   # the eager streams' cuBLAS workspaces go into the baseline
+    step()       # a shape's first call runs the kernels one by one
+    x.grad = None
+    for m in layers:
+        m.weight.grad = m.bias.grad = None
+    torch.cuda.synchronize()
+    base = torch.cuda.memory_allocated()
+    for _ in range(4):
+        step()
+    assert len(LAYER_GRAPHS) >= 2 * len(layers)   # each layer's own graphs per direction, at least
+    x.grad = None
+    for m in layers:
+        m.weight.grad = m.bias.grad = None
+    LAYER_GRAPHS.clear()
+    gc.collect()
+    torch.cuda.synchronize()
+    left = torch.cuda.memory_allocated() - base
+    assert left <= 33 * 2**20, f"{left / 2**20:.0f} MiB still allocated after LAYER_GRAPHS.clear()"
+
+
 def test_graphed_calls_fall_back_on_a_host_sync_and_when_full():
     calls = GraphedCalls(max_entries=1)
     x = _x((64, 64), 1)
