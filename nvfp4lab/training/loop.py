@@ -139,6 +139,20 @@ class FallbackRequested(Exception):
         self.step, self.reason, self.checkpoint = step, reason, checkpoint
 
 
+#: The side stream of the CUDA-graph warm-up steps, one per device for the process: PyTorch keeps a
+#: cuBLAS workspace (32 MiB on Hopper) for every stream cuBLAS ran on, so a new stream per warm-up
+#: step kept one per step.
+_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
+
+
+def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
+    index = torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _WARMUP_STREAMS:
+        _WARMUP_STREAMS[index] = torch.cuda.Stream(index)
+    return _WARMUP_STREAMS[index]
+
+
 def train(config: TrainConfig) -> RunResult:
     """Train one model as described by ``config``; see the module docstring.
 
@@ -499,7 +513,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
             else:
                 side = None
                 if graphed is not None:  # warm-up on a side stream (kernels compile, lazy inits)
-                    side = torch.cuda.Stream(device)
+                    side = _warmup_stream(device)
                     side.wait_stream(torch.cuda.current_stream(device))
                     warmup_left -= 1
                 # a warm-up of the step's graph runs its layers' kernels one by one: graphs of their
