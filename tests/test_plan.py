@@ -60,7 +60,9 @@ def test_llama_shapes_match_model_card_sizes():
 
 
 # Measured on one H200 (gpt2-small, batch 8 x 1024, torch.cuda.max_memory_allocated).
-MEASURED = {"nvfp4lab-bf16": "bf16", "nvfp4lab-nvfp4": "nvfp4", "te-bf16": "bf16",
+# The NVFP4 run without the layers' own CUDA graphs: the plan counts a training step, not the buffers
+# and outputs those graphs keep (the default eager run, nvfp4lab-nvfp4, peaks higher)
+MEASURED = {"nvfp4lab-bf16": "bf16", "nvfp4lab-nvfp4-no-layer-graphs": "nvfp4", "te-bf16": "bf16",
             "te-fp8-current": "fp8-current"}
 
 
@@ -73,9 +75,11 @@ def test_against_measured_peaks(run):
     extra = 2 * shape.layers * shape.hidden if run.startswith("te-") else 0
     assert shape.num_parameters() + extra == rec["num_parameters"]
     p = plan(shape, seq_len=setup["seq_len"], micro_batch=setup["batch_size"], precision=MEASURED[run])
-    err = (p.total - rec["peak_memory_bytes"]) / rec["peak_memory_bytes"]
-    print(f"{run}: predicted {p.total}, measured {rec['peak_memory_bytes']}, error {err:+.2%}")
-    # achieved: -2.8% .. +7.9% (te-bf16: TE's BF16 layers keep no autocast weight cache)
+    # the run's own peak: what earlier runs of the report's process left allocated is not its own
+    peak = rec["peak_memory_bytes"] - rec["allocated_at_start_bytes"]
+    err = (p.total - peak) / peak
+    print(f"{run}: predicted {p.total}, measured {peak}, error {err:+.2%}")
+    # achieved: -0.1% .. +7.8% (te-bf16: TE's BF16 layers keep no autocast weight cache)
     assert abs(err) < 0.09
 
 
