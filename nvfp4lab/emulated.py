@@ -21,7 +21,8 @@ autocast off.
 The GEMM (:func:`scaled_matmul`) multiplies the dequantized operands in float64 and rounds the
 result once to float32. With power-of-two scales (FP8 block's default, every MX format) a dequantized
 element has at most 4 significant bits (E4M3; E5M2 3, E2M1 2) times a power of two, so every product
-is exact in float64, and so is the sum unless its terms span more than about ``2**44`` in magnitude:
+is exact in float64, and so is the sum unless its K terms span more than about ``2**(45 - log2 K)``
+in magnitude (``2**33`` at K = 4096):
 the result is then the exact GEMM rounded once, independent of accumulation order. With fp32 block
 scales (``power_2_scale=False``) a dequantized element has up to 28 significant bits and the float64
 products round. Hardware accumulates block partial sums in fp32 (cuBLASLt block-scaled GEMMs), so it

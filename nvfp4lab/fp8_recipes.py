@@ -37,9 +37,9 @@ scales computed from an amax *history* instead of the current tensor
 * The state lives in the layer's buffers ``amax_history`` (fp32 ``[amax_history_len, 3]``, columns
   input, weight, grad_output) and ``scale`` (fp32 ``[3]``), so it is saved in checkpoints.
   Forward updates run only with autograd on, as TE's ``autocast_exit`` (``quantization.py``) checks
-  ``torch.is_grad_enabled()``; this includes the trainer's evaluation forwards, which do not disable
-  autograd. A forward under ``torch.no_grad`` records nothing here, whereas TE's cast still writes
-  its amax into slot 0, where the next training step's amax is max-ed into it.
+  ``torch.is_grad_enabled()``. A forward under ``torch.no_grad`` (the trainer's evaluation
+  forwards among them) records nothing here, whereas TE's cast still writes its amax into slot 0,
+  where the next training step's amax is max-ed into it.
 """
 
 from __future__ import annotations

@@ -16,11 +16,14 @@ The transform (TE ``reference_nvfp4.py::_build_hadamard_matrix`` / ``_apply_rht`
   i.e. ``y = ((x ⊙ s) @ H16) / 4``.
 
 TE computes the product with FP32 accumulation and rounds it to BF16 ("downcast to
-BF16 for bit-wise compatibility"). Here the 16-term sum is computed in float64,
-where it is exact for any float16/bfloat16 input and for float32 inputs whose
-block spans less than 2^29 in magnitude, then rounded once to the input dtype. For
-BF16 input this equals TE's result whenever TE's FP32 accumulation is exact, which
-holds unless a block mixes magnitudes more than ~2^15 apart.
+BF16 for bit-wise compatibility"). Here the 16-term sum is computed in float64, then
+rounded once to the input dtype. A sum of 16 terms of p significant bits whose largest and
+smallest non-zero magnitudes are less than 2^r apart is exact in a format of
+p + r + 4 significant bits, so the float64 sum (53 bits) is exact for any float16 input,
+for bfloat16 blocks spanning less than 2^41 and for float32 blocks spanning less than 2^25.
+For BF16 input it equals TE's result whenever TE's FP32 accumulation is exact, which holds
+for blocks spanning less than about 2^12 (beyond that TE's result can depend on its
+summation order).
 """
 
 from __future__ import annotations

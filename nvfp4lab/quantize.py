@@ -440,8 +440,8 @@ def uses_kernels(x: torch.Tensor, *, block: Block = "1d", rht: bool = False, rou
     """Whether :func:`quantize` with these options runs the Triton kernels (else the reference).
 
     True on a device the kernels run on (CUDA with Triton; CPU only in Triton's interpreter)
-    for float32/bfloat16/float16 inputs, except an RHT on float16 or with signs that are not
-    16 values of ±1 (see :func:`nvfp4lab.kernels.covers_quantize`). Takes (and ignores) the
+    for non-empty float32/bfloat16/float16 inputs, except an RHT on float16 or with signs that
+    are not 16 values of ±1, and never with ``four_over_six`` or ``row_scaled`` (see :func:`nvfp4lab.kernels.covers_quantize`). Takes (and ignores) the
     other keyword options of :func:`quantize`, so ``uses_kernels(x, **options)`` works.
     """
     mask = kernels.sign_mask(_signs(rht_signs)) if rht else 0
@@ -523,7 +523,8 @@ def quantize(
             ``block="2d"`` on a 1-D tensor, an unknown ``block`` / ``rounding``,
             ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax`` (a tensor
             ``amax`` is read only when ``check``).
-        TypeError: ``amax`` is neither a number nor a one-element tensor.
+        TypeError: ``amax`` is neither a number nor a tensor (a tensor of more than one
+            element raises ValueError).
 
     Warns:
         RuntimeWarning: ``x`` holds ±Inf (once per calling line, Python's default filter).
@@ -532,9 +533,11 @@ def quantize(
             ``compute_global_encode_scaling_factor_FP4``; see :func:`global_encode_scale`)
             and every block is scaled by its E4M3 block scale alone. The block holding the
             Inf saturates to scale 448: the Inf comes back as ±2688 (= 6·448) and every other
-            element of that block as 0 (``[1.0, inf, 0]`` -> ``[0, 2688, 0]``); blocks whose
-            amax is below 6·2⁻⁶ get subnormal E4M3 scales and lose precision. One Inf thus
-            zeroes its block and removes the per-tensor range from the whole tensor. Pass
+            element of that block is quantized on the grid {0, 224, 448, 672, 896, 1344, 1792,
+            2688}, so those below 112 in magnitude become 0 (``[1.0, inf, 0]`` -> ``[0, 2688, 0]``);
+            blocks whose amax is below 6·2⁻⁶ get subnormal E4M3 scales and lose precision. One
+            Inf thus wipes out the small values of its block and removes the per-tensor range
+            from the whole tensor. Pass
             ``amax=`` to bound the range, or remove the Inf.
 
     Exact ``-0.0`` is encoded as code 0 (+0), as TE's reference does (the hardware
@@ -752,7 +755,8 @@ def pair_uses_kernels(x: torch.Tensor, row: dict, col: dict | None) -> bool:
     :func:`nvfp4lab.kernels.covers_rowwise_columnwise` asks of ``x`` (``M % 16 == 0`` with the RHT).
 
     Raises:
-        ValueError: invalid ``block`` / ``rounding`` options (as :func:`quantize`).
+        ValueError: invalid ``block`` / ``rounding`` options shared by both copies (as
+            :func:`quantize`); copies whose options differ give False, whatever they are.
     """
     if col is None:
         return uses_kernels(x, **row)
@@ -883,8 +887,9 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
     Both operands are quantized along the shared contraction dimension ``K``. The
     product of the ``code × block scale`` operands (:meth:`NVFP4Tensor.block_values`,
     exact) is accumulated in FP32, then multiplied in FP32 by
-    ``alpha = RN(RN(amax_a · amax_b) / (6·6·448·448))``, the factor TE's GEMM applies
-    (``common/recipe/nvfp4.cu``; reference ``qgemm``); ``bias`` (``[N]``, any float
+    ``alpha = RN(RN(amax_a · amax_b) / (6·6·448·448))``, the factor of TE's reference
+    ``qgemm`` (a division; TE's native ``common/recipe/nvfp4.cu`` multiplies by
+    ``RN(1/(6·6·448·448))`` instead, which can differ by one ulp); ``bias`` (``[N]``, any float
     dtype) is then added in FP32 and the sum rounded once to ``out_dtype``. Up to FP32
     accumulation order this is what an NVFP4 tensor core computes.
 

@@ -336,7 +336,8 @@ def layer_is_quantized(name: str, precision: str, num_blocks: int, recipe: "NVFP
         block_pattern: regex whose group 1 is the block index.
 
     Raises:
-        ValueError: unknown precision, or a block index outside ``num_blocks``.
+        ValueError: unknown precision, or (NVFP4 precisions, whose recipe chooses blocks by
+            index) a block index outside ``num_blocks``.
     """
     p = canonical_name(precision)
     if not get_precision(p).quantized:

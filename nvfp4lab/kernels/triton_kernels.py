@@ -28,9 +28,10 @@ fp32->fp8):
 The random Hadamard transform is a 16-point fast Walsh-Hadamard butterfly (4 stages of
 add/sub, via reshape/split/join/permute), not a matmul. With ``RHT_F64`` (the default for
 every input dtype) the butterfly runs in float64, where the 16-term sum is exact for
-bf16 inputs and for fp32 blocks spanning less than ~2^29, then rounds once to float32 and
-(for bf16 inputs) once more to bf16: exactly what ``nvfp4lab.hadamard`` does (exact sum,
-rounded to float32, then to the input dtype). With ``RHT_F64=False`` it runs in float32:
+bf16 blocks spanning less than 2^41 and fp32 blocks spanning less than 2^25 (the bounds of
+``nvfp4lab.hadamard``), then rounds once to float32 and (for bf16 inputs) once more to bf16:
+what ``nvfp4lab.hadamard`` does (float64 sum, rounded to float32, then to the input dtype),
+bit for bit wherever the sum is exact. With ``RHT_F64=False`` it runs in float32:
 bit-identical for bf16 inputs except in blocks of extreme dynamic range (1 element in
 16.7M for 4096^2 randn, the class of difference TE's own FP32 accumulation has) and not
 bit-identical for fp32 inputs (about half the elements differ by an ulp).
