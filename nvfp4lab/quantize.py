@@ -259,8 +259,8 @@ class NVFP4Tensor:
         """``code × E4M3 block scale`` as ``[M, K]`` in ``dtype``, without the per-tensor factor.
 
         Each product has at most 6 significant bits (2 of the E2M1 value, 4 of the E4M3
-        scale) and lies in ``[2^-10, 2688]``, so it is exact in BF16, FP16 (normal range permitting) and FP32: the
-        operand a real NVFP4 tensor core multiplies. BF16 comes from the Triton kernels where
+        scale) and lies in ``[2^-10, 2688]``, so it is exact in BF16, FP16 (normal range
+        permitting) and FP32: the operand a real NVFP4 tensor core multiplies. BF16 comes from the Triton kernels where
         they run (or from :attr:`values_bf16` when the quantize kernel wrote it), bit-identical.
         """
         if dtype == torch.bfloat16:
@@ -441,7 +441,8 @@ def uses_kernels(x: torch.Tensor, *, block: Block = "1d", rht: bool = False, rou
 
     True on a device the kernels run on (CUDA with Triton; CPU only in Triton's interpreter)
     for non-empty float32/bfloat16/float16 inputs, except an RHT on float16 or with signs that
-    are not 16 values of ±1, and never with ``four_over_six`` or ``row_scaled`` (see :func:`nvfp4lab.kernels.covers_quantize`). Takes (and ignores) the
+    are not 16 values of ±1, and never with ``four_over_six`` or ``row_scaled`` (see
+    :func:`nvfp4lab.kernels.covers_quantize`). Takes (and ignores) the
     other keyword options of :func:`quantize`, so ``uses_kernels(x, **options)`` works.
     """
     mask = kernels.sign_mask(_signs(rht_signs)) if rht else 0
