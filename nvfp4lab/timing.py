@@ -21,7 +21,7 @@ from typing import Any, Callable, Sequence
 
 import torch
 
-__all__ = ["per_call_ms", "median_ms", "bench_ms", "graph_ms", "capture"]
+__all__ = ["per_call_ms", "median_ms", "bench_ms", "graph_ms", "capture", "side_stream"]
 
 
 def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, warmup: int = 1) -> list[float]:
@@ -80,6 +80,24 @@ def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, repeat: int =
     return median_ms(fn, device, iters=repeat, warmup=1)
 
 
+#: The side stream of each device for warm-ups (:func:`side_stream`).
+_SIDE_STREAMS: dict[int, "torch.cuda.Stream"] = {}
+
+
+def side_stream(device: torch.device | str | int | None = None) -> "torch.cuda.Stream":
+    """A side stream of a CUDA ``device`` (default: the current one), the same one on every call.
+
+    For warm-ups before a CUDA-graph capture (:func:`capture`, ``nvfp4lab train --cuda-graph``):
+    PyTorch keeps a cuBLAS workspace (32 MiB on Hopper) for every stream cuBLAS ran on, for the
+    life of the process, so a new stream per warm-up kept one per warm-up.
+    """
+    index = device if isinstance(device, int) else None if device is None else torch.device(device).index
+    index = torch.cuda.current_device() if index is None else index
+    if index not in _SIDE_STREAMS:
+        _SIDE_STREAMS[index] = torch.cuda.Stream(index)
+    return _SIDE_STREAMS[index]
+
+
 def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torch.Generator] = (),
             pool: Any = None, stream: "torch.cuda.Stream | None" = None,
             capture_error_mode: str = "global") -> tuple["torch.cuda.CUDAGraph", Any]:
@@ -88,7 +106,7 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
     ``pool``, ``stream`` and ``capture_error_mode`` are passed to ``torch.cuda.graph`` (a memory
     pool shared with other graphs; the stream to capture on; ``"thread_local"`` lets other
     threads use CUDA during the capture). The warm-up runs on ``stream`` when one is given, else on
-    a new stream: PyTorch keeps a cuBLAS workspace for every stream cuBLAS ran on, for the process.
+    the current device's :func:`side_stream`.
 
     Returns:
         ``(graph, outputs)``: ``graph.replay()`` reruns the captured work, writing into the
@@ -97,7 +115,7 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
     Raises:
         What the capture raises (e.g. a host synchronization inside ``fn``).
     """
-    side = stream if stream is not None else torch.cuda.Stream()
+    side = stream if stream is not None else side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for _ in range(warmup):

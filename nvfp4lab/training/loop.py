@@ -25,6 +25,7 @@ from ..health import HEALTH_NAME, health_pass
 from ..precisions import canonical_name
 from ..provenance import environment
 from ..rounding import SRStream
+from ..timing import side_stream
 from . import distributed
 from .checkpoint import (CHECKPOINT_FORMAT, CHECKPOINT_NAME, check_resume_compatible, load_checkpoint,
                          load_distributed_state, load_full_state, save_checkpoint, save_distributed_checkpoint)
@@ -137,20 +138,6 @@ class FallbackRequested(Exception):
     def __init__(self, step: int, reason: str, checkpoint: str | None) -> None:
         super().__init__(reason)
         self.step, self.reason, self.checkpoint = step, reason, checkpoint
-
-
-#: The side stream of the CUDA-graph warm-up steps, one per device for the process: PyTorch keeps a
-#: cuBLAS workspace (32 MiB on Hopper) for every stream cuBLAS ran on, so a new stream per warm-up
-#: step kept one per step.
-_WARMUP_STREAMS: dict[int, torch.cuda.Stream] = {}
-
-
-def _warmup_stream(device: torch.device) -> torch.cuda.Stream:
-    index = torch.device(device).index
-    index = torch.cuda.current_device() if index is None else index
-    if index not in _WARMUP_STREAMS:
-        _WARMUP_STREAMS[index] = torch.cuda.Stream(index)
-    return _WARMUP_STREAMS[index]
 
 
 def train(config: TrainConfig) -> RunResult:
@@ -513,7 +500,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
             else:
                 side = None
                 if graphed is not None:  # warm-up on a side stream (kernels compile, lazy inits)
-                    side = _warmup_stream(device)
+                    side = side_stream(device)
                     side.wait_stream(torch.cuda.current_stream(device))
                     warmup_left -= 1
                 # a warm-up of the step's graph runs its layers' kernels one by one: graphs of their
