@@ -10,8 +10,11 @@ and logic ops, float compare/min/max/select: 16 lanes per scheduler and clock on
 FP32 rate), ``imad`` (integer multiply-add, on the FMA-heavy pipe, also half rate), ``fp32``
 (FADD/FMUL/FFMA, full rate), ``conv/fp64`` (conversions, FP64 and MUFU) and the rest. These are
 static counts of an unrolled body, so they approximate the executed instructions per element; what
-the GPU does with them is measured by ``nvfp4lab bench``. Registers per thread come from
-``cuobjdump -res-usage``.
+the GPU does with them is measured by ``nvfp4lab bench``. The amax pass's count includes its FP64
+fallback loop, which runs in about one tile in a hundred; the row "its FP32 path alone" compiles it
+without (``RHT_F64=False``). A column stride of 1 is compiled as the constant Triton makes of it
+(it specialises integer arguments equal to 1), as in the dispatcher's launches on contiguous
+inputs. Registers per thread come from ``cuobjdump -res-usage``.
 """
 
 from __future__ import annotations
@@ -101,7 +104,7 @@ def cases():
     rows = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", amax_ptr="*fp32:D", seed_ptr="*i64:D",
                 d32_ptr="*i32:D", s_ptr="*u8:D", v32_ptr="*i32:D", d32_rs="i32:D", s_rs="i32:D", v32_rs="i32:D",
                 inv6="fp32", WORDS=True, REVERSE=False, EVEN=True, I64=False)
-    sl = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", sxk="i32", amax_ptr="*fp32:D",
+    sl = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", sxk=1, amax_ptr="*fp32:D",
               amaxt_ptr="*fp32:D", seed_ptr="*i64:D", d_ptr="*u8:D", s_ptr="*u8:D", dt32_ptr="*i32:D", st_ptr="*u8:D",
               v_ptr="*i16:D", vt_ptr="*i16:D", d_rs="i32:D", s_rs="i32:D", dt32_rs="i32:D", st_rs="i32:D",
               v_rs="i32:D", vt_rs="i32:D", inv6="fp32", SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True,
@@ -125,11 +128,11 @@ def cases():
         out[name] = (tk.quantize_slices_kernel, dict(sl, G=c["G"], BK=c["BK"], **kw), c["num_warps"],
                      16 * c["G"] * c["BK"] / (32 * c["num_warps"]))
     c = options().config["amax_slices"]
-    out["amax pass (rowwise + columnwise RHT)"] = (
-        tk.amax_slices_kernel,
-        dict(x_ptr="*bf16:D", amax_ptr="*i32:D", M="i32:D", K="i32:D", sxm="i32:D", sxk="i32", ROW=True, COL_RHT=True,
-             SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], EVEN=True, I64=False),
-        c["num_warps"], 16 * c["G"] * c["BK"] / (32 * c["num_warps"]))
+    amax = dict(x_ptr="*bf16:D", amax_ptr="*i32:D", M="i32:D", K="i32:D", sxm="i32:D", sxk=1, ROW=True, COL_RHT=True,
+                SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], FB=c["FB"], EVEN=True, I64=False)
+    for name, kw in [("amax pass (rowwise + columnwise RHT)", {}),
+                     ("amax pass: its FP32 path alone", dict(RHT_F64=False))]:
+        out[name] = (tk.amax_slices_kernel, dict(amax, **kw), c["num_warps"], 16 * c["G"] * c["BK"] / (32 * c["num_warps"]))
     return out
 
 

@@ -93,6 +93,35 @@ def _bf16_probe(x_ptr, N: tl.constexpr):
     tl.store(x_ptr + i, tk._round_bf16(tl.load(x_ptr + i)))
 
 
+@triton.jit
+def _certain_max_probe(bits_ptr, ok_ptr):
+    i = tl.program_id(0)
+    bits, ok = tk._certain_bf16_max(tl.load(bits_ptr + i))
+    tl.store(bits_ptr + i, bits)
+    tl.store(ok_ptr + i, ok.to(tl.int32))
+
+
+def test_fp32_first_rht_amax_certifies_only_what_it_can():
+    """``_certain_bf16_max`` (the FP32-butterfly amax with an FP64 fallback): where it says ok, its
+    BF16 value is torch's rounding of the max; within 64 FP32 ulps of a BF16 rounding boundary
+    (inside the 2⁻¹⁸ error bound of the butterfly, with room) it never says ok, and 512 ulps or
+    more away from one it always does; Inf, NaN, zero and maxima below 2⁻¹⁰⁰ go to the fallback."""
+    g = torch.Generator().manual_seed(3)
+    mid = (torch.randint(0x0E00, 0x7F00, (256,), generator=g, dtype=torch.int32) << 16) | 0x8000
+    near = mid + torch.randint(-64, 65, (256,), generator=g, dtype=torch.int32)
+    far = mid + torch.randint(512, 0x7FFF - 512, (256,), generator=g, dtype=torch.int32) * \
+        torch.where(torch.rand(256, generator=g) < 0.5, -1, 1).int()
+    special = torch.tensor([0x7F800000, 0x7FC00000, 0x7FFFFFFF, 0, 1, 0x0D000000, 0x0D7FFFFF], dtype=torch.int32)
+    bits = torch.cat([near, far, special])
+    ok = torch.empty_like(bits)
+    out = bits.clone()
+    _certain_max_probe[(bits.numel(),)](out, ok)
+    n = near.numel()
+    assert not ok[:n].any() and ok[n:2 * n].all() and not ok[2 * n:].any()
+    want = bits[ok.bool()].view(torch.float32).to(torch.bfloat16).float().view(torch.int32)
+    assert torch.equal(out[ok.bool()], want)
+
+
 def test_e4m3_rounding_matches_torch():
     """The integer RNE to E4M3 (normal and subnormal) equals torch's float8_e4m3fn cast on [0, 448]."""
     g = torch.Generator().manual_seed(1)
@@ -742,8 +771,10 @@ def test_rht_is_exact_where_an_fp32_butterfly_is_not():
     ``tests/gpu``: Triton 3.6's interpreter converts them to FP32 wrongly, 1.0102e-39 -> 4.4081e-39.)"""
     g = torch.Generator().manual_seed(0)
     wrong_fp32 = 0
-    for _ in range(12):
-        x = rht_rounding_boundary_block(g)
+    for i in range(12):
+        x = rht_rounding_boundary_block(g, columns=8 if i % 2 else 256)
+        if i % 2 == 0:   # whole tiles of the amax pass: its unmasked fallback
+            x = torch.cat([torch.zeros_like(x), x])
         want = ref(_rht_amax, x)
         assert torch.equal(_rht_amax(x), want)
         with kernels.use_options(rht_f64=False):

@@ -31,7 +31,10 @@ every input dtype) the butterfly runs in float64, where the 16-term sum is exact
 bf16 blocks spanning less than 2^41 and fp32 blocks spanning less than 2^25 (the bounds of
 ``nvfp4lab.hadamard``), then rounds once to float32 and (for bf16 inputs) once more to bf16:
 what ``nvfp4lab.hadamard`` does (float64 sum, rounded to float32, then to the input dtype),
-bit for bit wherever the sum is exact. With ``RHT_F64=False`` it runs in float32:
+bit for bit wherever the sum is exact. The 16-slice amax pass needs only the largest output:
+it runs the butterfly in float32 and keeps that result where a margin argument certifies it equal
+to the float64 one (:func:`_certain_bf16_max`; BF16 inputs), re-reading the tile for a float64
+butterfly only where it cannot (about one tile in a hundred). With ``RHT_F64=False`` it runs in float32:
 bit-identical for bf16 inputs except in blocks of extreme dynamic range (1 element in
 16.7M for 4096^2 randn, the class of difference TE's own FP32 accumulation has) and not
 bit-identical for fp32 inputs (about half the elements differ by an ulp).
@@ -94,6 +97,29 @@ def _rounded_max(bits, ROUND_BF16: tl.constexpr):
     if ROUND_BF16:
         bits = _round_bf16(bits.to(tl.float32, bitcast=True)).to(tl.int32, bitcast=True)
     return bits
+
+
+@triton.jit
+def _certain_bf16_max(bits):
+    """A post-RHT amax from an FP32 butterfly, certified: ``(amax bits, ok)``.
+
+    ``bits``: the int32 bits of a tile's max |y| over FP32-butterfly RHT outputs of BF16 inputs
+    (``_rht16(..., F64=False)``, scaled by 1/4). The exact pass wants RN_bf16(RN_fp32(Y)), Y the
+    exact max (:func:`_rounded_max` of the FP64 butterfly). An FP32 butterfly of depth 4 errs by
+    at most γ₄·Σ|x| ≤ 2⁻²²·16·max|x| per unscaled output, and the unscaled Hadamard keeps the
+    norm times 4, so Y ≥ max|x|/4 and the tile max is within 2⁻¹⁸·Y of Y (Higham, *Accuracy and
+    Stability of Numerical Algorithms*, §4.2, pairwise summation). RN_bf16∘RN_fp32 is monotone:
+    where it maps ``max·(1 - 2⁻¹⁶)`` and ``max·(1 + 2⁻¹⁶)`` (each within 2⁻²⁴ of exact) to the
+    same BF16 value, that value is the exact pass's, and ``ok`` is True. Not ok (the caller runs
+    the FP64 butterfly): the max lies within ~2⁻¹⁶ of a BF16 rounding boundary (about 1 tile in
+    128), is below 2⁻¹⁰⁰ (FP32 scaling may have underflowed) or is Inf/NaN (an Inf or NaN input,
+    or an FP32 overflow the FP64 sum would not have)."""
+    j = tl.arange(0, 2)
+    v = tl.full((2,), 0.0, tl.float32) + bits.to(tl.float32, bitcast=True)
+    r = _round_bf16(v * tl.where(j == 0, 0.9999847412109375, 1.0000152587890625)).to(tl.int32, bitcast=True)
+    lo = tl.min(r, axis=0)
+    hi = tl.max(r, axis=0)
+    return hi, (lo == hi) & (bits >= 0x0D800000) & (bits < 0x7F800000)
 
 
 @triton.jit
@@ -567,6 +593,15 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
 
 
 @triton.jit
+def _slices_amax_bits(ys):
+    """NaN-propagating max |y| over 16 slices (a tuple of [G, BK] tensors) as int32 bits."""
+    m = _abs_bits(ys[0])
+    for i in tl.static_range(1, 16):
+        m = tl.maximum(m, _abs_bits(ys[i]))
+    return tl.max(tl.max(m, axis=1), axis=0)
+
+
+@triton.jit
 def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                            d_ptr, s_ptr, dt32_ptr, st_ptr, v_ptr, vt_ptr,
                            d_rs, s_rs, dt32_rs, st_rs, v_rs, vt_rs, inv6,
@@ -694,25 +729,61 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
 
 
 @triton.jit
+def _slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G: tl.constexpr, BK: tl.constexpr, FB: tl.constexpr,
+                         SIGN_MASK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+    """The FP64-butterfly post-RHT max (int32 bits, not rounded) of the tile (pm, pk) of
+    :func:`_load_slice_tile`, re-read from memory FB columns at a time in a loop: the rare
+    fallback of :func:`amax_slices_kernel`, kept narrow so that its FP64 registers do not
+    set the kernel's register count (with the whole tile's FP64 values live, the FP32 path
+    ran ~20-40% slower on an H200)."""
+    g = pm * (16 * G) + tl.arange(0, G) * 16
+    if I64:
+        g = g.to(tl.int64)
+    m = tl.zeros((G, FB), tl.int32)
+    for c in range(0, BK, FB):
+        cols = pk * BK + c + tl.arange(0, FB)
+        if I64:
+            cols = cols.to(tl.int64)
+        base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
+        if EVEN:
+            xs = [tl.load(base + i * sxm).to(tl.float32)
+                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        else:
+            lmask = (g[:, None] < M) & (cols[None, :] < K)
+            xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
+                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        ys = _rht16_slices(tl.tuple(xs), SIGN_MASK, True, False)
+        for i in tl.static_range(16):
+            m = tl.maximum(m, _abs_bits(ys[i]))
+    return tl.max(tl.max(m, axis=1), axis=0)
+
+
+@triton.jit
 def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
                        ROW: tl.constexpr, COL_RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
                        RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
-                       G: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+                       G: tl.constexpr, BK: tl.constexpr, FB: tl.constexpr, EVEN: tl.constexpr,
+                       I64: tl.constexpr):
     """amax pass for the 16-slice layout (M % 16 == 0): max|x| into amax[0] when ROW and the
     columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel.
-    NaN-propagating integer max on int32 ``amax_ptr``, as :func:`amax_kernel`."""
+    NaN-propagating integer max on int32 ``amax_ptr``, as :func:`amax_kernel`.
+
+    With RHT_F64 and BF16 input (ROUND_BF16) the post-RHT max comes from an FP32 butterfly where
+    :func:`_certain_bf16_max` certifies that it equals the FP64 one's, and otherwise (about one
+    tile in a hundred on Gaussian data) from :func:`_slices_rht_amax_f64`, FB columns at a time:
+    the same bits as the FP64 butterfly everywhere."""
     xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, False, EVEN, I64)
     if ROW:
-        m = _abs_bits(xs[0])
-        for i in tl.static_range(1, 16):
-            m = tl.maximum(m, _abs_bits(xs[i]))
-        tl.atomic_max(amax_ptr, tl.max(tl.max(m, axis=1), axis=0))
+        tl.atomic_max(amax_ptr, _slices_amax_bits(xs))
     if COL_RHT:
-        ys = _rht16_slices(xs, SIGN_MASK, RHT_F64, False)
-        mc = _abs_bits(ys[0])
-        for i in tl.static_range(1, 16):
-            mc = tl.maximum(mc, _abs_bits(ys[i]))
-        tl.atomic_max(amax_ptr + 1, _rounded_max(tl.max(tl.max(mc, axis=1), axis=0), ROUND_BF16))
+        if RHT_F64 and ROUND_BF16:
+            bits, ok = _certain_bf16_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False)))
+            if not ok:
+                bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, FB, SIGN_MASK,
+                                                         EVEN, I64), True)
+        else:
+            bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, RHT_F64, False)), ROUND_BF16)
+        tl.atomic_max(amax_ptr + 1, bits)
 
 
 # ----------------------------------------------------------------------------- GEMM epilogue
