@@ -558,15 +558,23 @@ def _load_slice_tile(x_ptr, M, K, sxm, sxk, G: tl.constexpr, BK: tl.constexpr, R
     if I64:
         g = g.to(tl.int64)
         cols = cols.to(tl.int64)
+    return _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN), g, cols, pm, pk
+
+
+@triton.jit
+def _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN: tl.constexpr):
+    """The 16 row slices ``x[g + i, cols]`` (a tuple of 16 float32 [G, C] tensors) of x [M, K]
+    (M % 16 == 0), for the slices' first rows ``g`` [G] and the columns ``cols`` [C]; zero where
+    out of bounds unless EVEN."""
     base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
-    lmask = (g[:, None] < M) & (cols[None, :] < K)
     if EVEN:
         xs = [tl.load(base + i * sxm).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     else:
+        lmask = (g[:, None] < M) & (cols[None, :] < K)
         xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-    return tl.tuple(xs), g, cols, pm, pk
+    return tl.tuple(xs)
 
 
 @triton.jit
@@ -744,15 +752,7 @@ def _slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G: tl.constexpr, BK: tl.
         cols = pk * BK + c + tl.arange(0, FB)
         if I64:
             cols = cols.to(tl.int64)
-        base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
-        if EVEN:
-            xs = [tl.load(base + i * sxm).to(tl.float32)
-                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        else:
-            lmask = (g[:, None] < M) & (cols[None, :] < K)
-            xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
-                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        ys = _rht16_slices(tl.tuple(xs), SIGN_MASK, True, False)
+        ys = _rht16_slices(_load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN), SIGN_MASK, True, False)
         for i in tl.static_range(16):
             m = tl.maximum(m, _abs_bits(ys[i]))
     return tl.max(tl.max(m, axis=1), axis=0)
