@@ -1,4 +1,4 @@
-"""Regenerate the recorded GPU results of book chapters 10 and 11 (Transformer Engine on Hopper).
+"""Regenerate the recorded GPU results of book/10_transformer_engine_blackwell and book/11_fp8_or_nvfp4 (TE on Hopper).
 
 One run on the GPU machine writes ``<out>/te_gpu.json`` and ``<out>/te_gpu.png``::
 

@@ -1,7 +1,7 @@
 """Datasheet figures of the GPUs the book talks about: one table, each row with its source.
 
-The book quotes tensor-core peaks and memory figures in chapter 1 (the roofline), chapter 11 (the
-decision between FP8 and NVFP4) and the GPU lab. They all read them from :data:`GPUS` through
+The book quotes tensor-core peaks and memory figures in book/01_why_4_bits (the roofline),
+book/11_fp8_or_nvfp4 (the decision between FP8 and NVFP4) and the GPU lab. They all read them from :data:`GPUS` through
 :func:`gpu` and :func:`hardware_table`, so a figure is typed once, here, next to where it comes from.
 
 Every throughput is a **dense** tensor-core peak in TFLOP/s (10^12 floating-point operations per

@@ -1,6 +1,6 @@
 """Test helpers for NVFP4 code: bit-for-bit equality of quantized tensors.
 
-Used by nvfp4lab's own tests and the book (chapter 8), and meant for code that builds on nvfp4lab:
+Used by nvfp4lab's own tests and the book (book/08_nvfp4_linear_layer), and meant for code that builds on nvfp4lab:
 a kernel, a fused path or another framework's quantizer is checked against :func:`nvfp4lab.quantize`
 with :func:`assert_nvfp4_equal`.
 """

@@ -52,3 +52,28 @@ def test_first_code_cell_is_parameters_with_smoke(path):
     first = code[0]
     assert "parameters" in first.metadata.get("tags", []), "first code cell must be tagged 'parameters'"
     assert SMOKE.search(first.source), "the parameters cell must set `smoke = False`"
+
+
+CHAPTER_REF = re.compile(r"\b[Cc]hapters? (\d+[a-c]?)\b")
+CHAPTER_LABEL = re.compile(r"^\((ch\d\d[a-c]?)\)=\n#", re.MULTILINE)
+
+
+def test_chapters_are_referred_to_by_label():
+    """The rendered book numbers its chapters straight through the parts (``use_multitoc_numbering``),
+    so 08b is chapter 9 and 11 is chapter 14: a chapter number typed in prose would follow the file
+    names and point at the wrong chapter. Markdown cells refer to chapters with
+    ``{numref}`%s <chNN>``` instead; each chapter carries its label ``(chNN)=`` above its title."""
+    labels, typed = {}, []
+    for path in NOTEBOOKS:
+        nb = nbformat.read(path, as_version=4)
+        for c in nb.cells:
+            if c.cell_type != "markdown":
+                continue
+            for m in CHAPTER_LABEL.finditer(c.source):
+                labels[m.group(1)] = path.name
+            typed += [f"{path.name}: {c.source[max(0, m.start() - 30):m.end() + 10]!r}"
+                      for m in CHAPTER_REF.finditer(c.source)]
+    assert not typed, "chapter numbers typed in prose (use {numref}`%s <chNN>`):\n" + "\n".join(typed)
+    chapters = {p.name for p in NOTEBOOKS if re.match(r"\d\d[a-c]?_", p.name)}
+    assert set(labels.values()) == chapters, f"chapters without a (chNN)= label: {chapters - set(labels.values())}"
+    assert all(name.startswith(label[2:] + "_") for label, name in labels.items()), labels
