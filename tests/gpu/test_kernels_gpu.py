@@ -112,9 +112,10 @@ def test_non_contiguous_and_special_values():
 
 
 def test_rht_is_exact_where_an_fp32_butterfly_is_not():
-    """The kernels' columnwise RHT (FP64 butterfly) gives the reference's amax on blocks at a BF16
+    """The kernels' columnwise RHT (FP64 butterfly; the amax pass's FP32 one where it certifies its
+    result, which these blocks never let it) gives the reference's amax on blocks at a BF16
     rounding boundary, where an FP32 butterfly (``rht_f64=False``) is wrong in most draws, and
-    the reference's amax and codes on BF16 subnormal inputs."""
+    the reference's amax and codes on BF16 subnormal inputs (maxima below 2^-100: the fallback)."""
     g = torch.Generator().manual_seed(1)
 
     def amax(x):
