@@ -48,6 +48,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.capabilities import import_transformer_engine, require_device  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
+from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.timing import bench_ms, graph_ms, median_ms  # noqa: E402
 from nvfp4lab.quantize import quantize, quantize_rowwise_columnwise  # noqa: E402
 
@@ -185,23 +186,17 @@ def _linear_variants(device: str, K: int, N: int, with_reference: bool):
     variants: dict[str, Callable[[], Any]] = {}
     dtype = torch.bfloat16
     variants["bf16_nn.Linear"] = lambda: torch.nn.Linear(K, N, bias=False, device=device, dtype=dtype)
-    try:
-        from nvfp4lab.linear import NVFP4Linear
-    except Exception as exc:  # linear.py not there (yet)
-        print(f"[bench] nvfp4lab.linear unavailable: {exc}", file=sys.stderr)
-        NVFP4Linear = None
-    if NVFP4Linear is not None:
-        if kernels.available(device):
-            def fast():
-                # the layer's own SR stream (seeded): state on the GPU, so eager calls replay the layer's
-                # own CUDA graphs (the default a user gets; a torch.Generator would turn them off) and a
-                # captured step draws fresh keys per replay without registering a generator
-                return NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, seed=0)
+    if kernels.available(device):
+        def fast():
+            # the layer's own SR stream (seeded): state on the GPU, so eager calls replay the layer's
+            # own CUDA graphs (the default a user gets; a torch.Generator would turn them off) and a
+            # captured step draws fresh keys per replay without registering a generator
+            return NVFP4Linear(K, N, bias=False, device=device, dtype=dtype, seed=0)
 
-            variants["nvfp4_linear_triton"] = fast
-        if with_reference:
-            variants["nvfp4_linear_pytorch_reference"] = lambda: _Disabled(
-                NVFP4Linear(K, N, bias=False, device=device, dtype=dtype))
+        variants["nvfp4_linear_triton"] = fast
+    if with_reference:
+        variants["nvfp4_linear_pytorch_reference"] = lambda: _Disabled(
+            NVFP4Linear(K, N, bias=False, device=device, dtype=dtype))
     if device == "cuda":
         variants.update(_te_variants(K, N))
     return variants
