@@ -15,11 +15,12 @@ The transform (TE ``reference_nvfp4.py::_build_hadamard_matrix`` / ``_apply_rht`
 * ``R = diag(s) @ H16 / 4`` and each 16-chunk row vector ``x`` maps to ``x @ R``,
   i.e. ``y = ((x ⊙ s) @ H16) / 4``.
 
-TE computes the product with FP32 accumulation and rounds it to BF16 ("downcast to
-BF16 for bit-wise compatibility"). Here the 16-term sum is computed in float64, then
-rounded once to the input dtype. A sum of 16 terms of p significant bits whose largest and
-smallest non-zero magnitudes are less than 2^r apart is exact in a format of
-p + r + 4 significant bits, so the float64 sum (53 bits) is exact for any float16 input,
+TE computes the product with FP32 accumulation and rounds it to BF16 ("downcast to BF16 for
+bit-wise compatibility"). Here the 16-term sum is computed in float64, then rounded to
+float32 (what an FP32 accumulator that rounds once would hold) and from there to the input
+dtype (for float32 input that is the only rounding). A sum of 16 terms of p significant bits
+whose largest and smallest non-zero magnitudes are less than 2^r apart is exact in a format
+of p + r + 4 significant bits, so the float64 sum (53 bits) is exact for any float16 input,
 for bfloat16 blocks spanning less than 2^41 and for float32 blocks spanning less than 2^25.
 For BF16 input it equals TE's result whenever TE's FP32 accumulation is exact, which holds
 for blocks spanning less than about 2^12 (beyond that TE's result can depend on its
@@ -114,8 +115,9 @@ def random_hadamard_transform(x: torch.Tensor, *, signs: torch.Tensor | None = W
             Wgrad vector; ``None`` for the plain normalised Hadamard matrix.
 
     Returns:
-        Tensor of ``x``'s shape and dtype: the exact transform rounded once to
-        ``x.dtype`` (for BF16 input: TE's FP32-accumulate-then-BF16 result).
+        Tensor of ``x``'s shape and dtype: the exact transform rounded to float32,
+        then to ``x.dtype`` (for BF16 input: TE's FP32-accumulate-then-BF16 result, where
+        TE's FP32 sum is exact; see the module docstring for the range).
 
     Raises:
         TypeError: non-float dtype. ValueError: ``K`` not a multiple of 16, bad signs.
