@@ -133,6 +133,6 @@ def inverse_random_hadamard_transform(
     """Undo :func:`random_hadamard_transform`: each 16-chunk ``u`` becomes ``u @ Rᵀ``.
 
     Same shapes, dtypes and errors as the forward transform. The round trip is
-    exact up to one rounding to ``y.dtype`` of each direction.
+    exact up to each direction's rounding (to float32, then to ``y.dtype``).
     """
     return _blockwise(y, rht_matrix(signs).T, "inverse_random_hadamard_transform input")
