@@ -26,7 +26,10 @@ signature and replayed:
    on by default), the inputs are copied in as in 3, but the replay is of a graph of the caller's
    own, reading those static inputs and writing outputs it owns, returned without a copy out
    whenever no one holds the caller's previous outputs (in training, by a layer's next call the
-   backward has consumed them); otherwise 3.
+   backward has consumed them); otherwise 3. Inputs the caller names as steady (``steady``: for
+   the layer its weight and bias, and in the backward the buffer its forward's graph owns) are
+   read where they are by that graph, not copied, while they stay at the addresses it was
+   captured with (a few moves are followed by a new capture; after that they are copied).
 
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
@@ -57,13 +60,16 @@ __all__ = ["GraphedCalls"]
 
 
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs")
+    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs", "reads")
 
-    def __init__(self, graph, inputs, outputs, twins, keep, refs=()) -> None:
+    def __init__(self, graph, inputs, outputs, twins, keep, refs=(), reads=()) -> None:
         self.graph, self.inputs, self.outputs, self.twins, self.keep = graph, inputs, outputs, twins, keep
         # in place: a weak reference to each output's storage and its use count while only the entry
         # holds it (more means a caller still holds the output the last replay returned)
         self.refs = refs
+        # owned tier: (index, address) of each input the graph reads where it is rather than from
+        # the copying graph's static buffer
+        self.reads = reads
 
     def outputs_free(self) -> bool:
         """Whether no caller holds an output of this entry's last replay (in-place entries)."""
@@ -113,6 +119,7 @@ class GraphedCalls:
         self._owned: OrderedDict[Hashable, _Entry] = OrderedDict()   # by (sig, owner): the owned-outputs tier
         self._owned_captures = 0
         self._owned_failed: set[Hashable] = set()
+        self._owned_moves: dict[Hashable, int] = {}   # by (sig, owner): captures for moved steady inputs
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -136,6 +143,7 @@ class GraphedCalls:
             self._owned.clear()
             self._owned_captures = 0
             self._owned_failed.clear()
+            self._owned_moves.clear()
             self._calls.clear()
             self._direct.clear()
             self._pools.clear()
@@ -156,7 +164,8 @@ class GraphedCalls:
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
                  keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None,
-                 in_place: Hashable | None = None, owner: Hashable | None = None) -> tuple[torch.Tensor, ...]:
+                 in_place: Hashable | None = None, owner: Hashable | None = None,
+                 steady: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
         """``fn(*tensors, streams=streams)``, from a CUDA graph once the signature has been seen
         ``capture_after`` times.
 
@@ -185,6 +194,12 @@ class GraphedCalls:
                 outputs of its previous call any more, replay a graph of its own that writes
                 outputs it owns, returned without a copy (:meth:`_owned_entry`); otherwise the
                 copies above. None: no such graph.
+            steady: indices of ``tensors`` that usually stay at one address from call to call (a
+                layer's parameters; a buffer an owner's graph returned): the owner's graph reads
+                them where they are instead of from the copying graph's static buffers, so they
+                are not copied in. A call whose steady inputs have moved replays a graph captured
+                for the new addresses (at most :attr:`OWNER_CAPTURES` such captures per owner and
+                signature; then that owner's graph copies them like the others).
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns, or, from
@@ -228,8 +243,9 @@ class GraphedCalls:
                     return fn(*tensors, streams=streams)
             else:
                 self._entries.move_to_end(sig)
-                own = None if owner is None else self._owned_entry(fn, sig, entry, streams, keep, stream, owner)
-                self._copy_in(entry, tensors)
+                own = None if owner is None else self._owned_entry(fn, sig, entry, tensors, streams, keep, stream,
+                                                                   owner, steady)
+                self._copy_in(entry, tensors, () if own is None else own.reads)
                 if own is not None:   # outputs of the caller's own graph, no copy out
                     self._replay(own, streams)
                     return tuple(o.detach() for o in own.outputs)
@@ -241,9 +257,12 @@ class GraphedCalls:
             return tuple(outputs)
 
     @staticmethod
-    def _copy_in(entry: _Entry, tensors: Sequence[torch.Tensor | None]) -> None:
-        """This call's inputs into the copying graph's static buffers."""
-        pairs = [(dst, src) for dst, src in zip(entry.inputs, tensors) if dst is not None and dst.numel()]
+    def _copy_in(entry: _Entry, tensors: Sequence[torch.Tensor | None], reads: tuple = ()) -> None:
+        """This call's inputs into the copying graph's static buffers, but those that the graph to be
+        replayed reads where they are (``reads``: (index, address) pairs)."""
+        skip = {i for i, _ in reads}
+        pairs = [(dst, src) for i, (dst, src) in enumerate(zip(entry.inputs, tensors))
+                 if dst is not None and dst.numel() and i not in skip]
         if pairs:   # one multi-tensor copy for all inputs: launches cost more than these bytes
             torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
 
@@ -256,26 +275,41 @@ class GraphedCalls:
         for i, twin in entry.twins:
             streams[i].copy_(twin)
 
-    def _owned_entry(self, fn, sig, entry: _Entry, streams, keep, stream, owner: Hashable) -> _Entry | None:
+    def _owned_entry(self, fn, sig, entry: _Entry, tensors, streams, keep, stream, owner: Hashable,
+                     steady: Sequence[int]) -> _Entry | None:
         """The owned-outputs tier: ``owner``'s own graph for this signature, or None where the copying
         graph's copies out must run instead.
 
         The graph reads the copying graph's static inputs (the call copies its inputs there as
-        usual) and its own twins of the streams, and writes outputs allocated for it outside the
-        graphs' pool, which the call returns as aliases (``detach()``). Its replay would overwrite
-        what its previous replay returned, so it replays only once no caller holds any of those
-        outputs (storage use counts, as in :meth:`_call_in_place`); layers of one shape each have
-        their own graph, so in training an owner's outputs are free again by its next call (the
-        previous step's backward has consumed them). Captured at the owner's first call once the
-        copying graph exists; at most :attr:`max_in_place` kept (least recently used dropped) and
-        ``2 * max_in_place`` captured."""
+        usual), except the ``steady`` inputs, which it reads where they are (its ``reads``: their
+        indices and addresses at its capture), and its own twins of the streams; it writes outputs
+        allocated for it outside the graphs' pool, which the call returns as aliases (``detach()``).
+        Its replay would overwrite what its previous replay returned, so it replays only once no
+        caller holds any of those outputs (storage use counts, as in :meth:`_call_in_place`); layers
+        of one shape each have their own graph, so in training an owner's outputs are free again by
+        its next call (the previous step's backward has consumed them). Captured at the owner's first
+        call once the copying graph exists, and again where a steady input has moved: after
+        :attr:`OWNER_CAPTURES` such moves the owner's graph reads copies of them too. It replays only
+        while this call's steady inputs sit at the addresses it was captured with (shapes, strides and
+        dtypes are in the signature), so it reads them, whatever memory once held there.
+        At most :attr:`max_in_place` kept (least recently used dropped) and ``2 * max_in_place``
+        captured."""
         who = (sig, owner)
+        moves = self._owned_moves.get(who, 0)
+        reads = () if moves >= self.OWNER_CAPTURES else \
+            tuple((i, tensors[i].data_ptr()) for i in steady if tensors[i] is not None)
         own = self._owned.get(who)
+        if own is not None and own.reads != reads:   # a steady input moved: a graph for where it is now
+            del self._owned[who]
+            if own.reads:
+                self._owned_moves[who] = moves = moves + 1
+                reads = () if moves >= self.OWNER_CAPTURES else reads
+            own = None
         if own is None:
             if who in self._owned_failed or self._owned_captures >= 2 * self.max_in_place or not self.max_in_place:
                 return None
             self._owned_captures += 1
-            own = self._capture_owned(fn, entry, streams, keep, stream)
+            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, stream)
             if own is None:
                 self._owned_failed.add(who)
                 return None
@@ -287,19 +321,26 @@ class GraphedCalls:
         self._owned.move_to_end(who)
         return own
 
-    def _capture_owned(self, fn, entry: _Entry, streams, keep, stream) -> _Entry | None:
+    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, stream) -> _Entry | None:
+        where = {i for i, _ in reads}
+        inputs = [t if i in where else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
         before = [t.get_state() for t in twins]
-        # the outputs: a direct call's on the static inputs (whatever they hold: the graph, not this
-        # call, computes what is returned), kept; it advances the twins, which shows which are used
-        outputs = tuple(fn(*entry.inputs, streams=twins))
+        # the outputs: a direct call's on the inputs the graph reads (whatever the static buffers hold:
+        # the graph, not this call, computes what is returned), kept; it advances the twins, which
+        # shows which are used
+        outputs = tuple(fn(*inputs, streams=twins))
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
-        done = self._capture_into(lambda: fn(*entry.inputs, streams=twins, out=outputs), outputs, stream,
+        done = self._capture_into(lambda: fn(*inputs, streams=twins, out=outputs), outputs, stream,
                                   "these calls copy their outputs out")
         if done is None:   # this caller then always takes the copies out
             return None
-        # inputs: the copying graph's static buffers, which this graph reads, held as long as it is
-        return _Entry(done[0], entry.inputs, outputs, used, tuple(keep), done[1])
+        # inputs: the copying graph's static buffers, which this graph reads, held as long as it is;
+        # not the steady inputs (holding the buffer a forward's graph returned would count as a
+        # caller holding that graph's outputs): a replay happens only while this call's steady inputs
+        # sit at the addresses in ``reads``, so it reads them, whatever was there before
+        held = tuple(None if i in where else t for i, t in enumerate(inputs))
+        return _Entry(done[0], held, outputs, used, tuple(keep), done[1], reads)
 
     def _capture_stream(self, where: tuple[int, int], device) -> "torch.cuda.Stream":
         """The stream the graphs replayed on caller stream ``where`` are captured on (made once)."""
@@ -331,7 +372,8 @@ class GraphedCalls:
         return graph, tuple((ref, torch._C._storage_Use_Count(ref.cdata))
                             for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
 
-    #: In-place captures an owner may make; one whose input addresses keep changing then copies.
+    #: In-place captures an owner may make; one whose input addresses keep changing then copies. Also the
+    #: owned tier's captures for moved steady inputs, per owner and signature (then they are copied).
     OWNER_CAPTURES = 3
     #: Calls in a row an owner must make with the same addresses before its in-place graph is captured.
     STABLE_CALLS = 3

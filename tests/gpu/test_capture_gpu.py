@@ -244,6 +244,61 @@ def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones()
                                                                   for m in twin)
 
 
+def test_owned_graphs_read_the_weight_and_the_saved_copies_where_they_are():
+    """The layer's own graphs read its weight and bias (forward) and the buffer of saved copies its
+    forward's graph returned (backward) where they are: an optimizer step that updates the weight in
+    place is seen by the next replay without a copy in (the copying graph's static weight keeps
+    what it was given last). A weight replaced by a new tensor (a new address) gets a graph for its
+    new address, up to ``OWNER_CAPTURES`` times; after that the owner's graph reads copies of it.
+    Every step gives the bits of the kernels launched one by one, SR streams included."""
+    LAYER_GRAPHS.clear()
+    torch.manual_seed(0)
+    layer = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3)
+    twin = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3)
+    twin.load_state_dict(layer.state_dict())
+
+    def steps(m, first, n, replace):
+        got = []
+        for i in range(first, first + n):
+            x = _x((512, 1024), 70 + i).requires_grad_()
+            m.weight.grad = m.bias.grad = None
+            y = m(x)
+            y.backward(_x((512, 768), 90 + i))
+            got.append([t.detach().clone() for t in (y, x.grad, m.weight.grad, m.bias.grad)])
+            with torch.no_grad():   # an optimizer step, in place
+                m.weight.add_(m.weight.grad, alpha=-2.0**-6)
+                m.bias.add_(m.bias.grad, alpha=-2.0**-6)
+            if replace:
+                m.weight = torch.nn.Parameter(m.weight.detach().clone())   # a new address
+            del x, y
+        return got
+
+    def check(got, ref):
+        for step_got, step_ref in zip(got, ref):
+            for a, b in zip(step_got, step_ref):
+                assert torch.equal(a, b)
+
+    got = steps(layer, 0, 6, replace=False)
+    owned = {who[1][0]: (who, own) for who, own in LAYER_GRAPHS._owned.items()}
+    assert set(owned) == {"fprop", "bprop"}
+    (fsig, fprop), (_, bprop) = owned["fprop"], owned["bprop"]
+    assert fprop.reads == ((1, layer.weight.data_ptr()), (2, layer.bias.data_ptr()))
+    assert [i for i, _ in bprop.reads] == [1]
+    static_weight = LAYER_GRAPHS._entries[fsig[0]].inputs[1]
+    assert not torch.equal(static_weight, layer.weight), "the weight was copied in"
+    with kernels.use_options(layer_graphs=False):
+        ref = steps(twin, 0, 6, replace=False)
+    check(got, ref)
+    got = steps(layer, 6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, replace=True)
+    with kernels.use_options(layer_graphs=False):
+        ref = steps(twin, 6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, replace=True)
+    check(got, ref)
+    fprop = LAYER_GRAPHS._owned[fsig]
+    assert fprop.reads == () and fprop.inputs[1] is LAYER_GRAPHS._entries[fsig[0]].inputs[1], \
+        "after OWNER_CAPTURES moves the forward reads a copy of the weight"
+    assert torch.equal(layer.sr_streams()[0].get_state(), twin.sr_streams()[0].get_state())
+
+
 def test_clearing_the_layer_graphs_gives_their_memory_back():
     """Eager steps of six layers capture over a dozen graphs; once they are cleared, what stays
     allocated is at most the cuBLAS workspace (32 MiB on Hopper) of the one stream they are captured
