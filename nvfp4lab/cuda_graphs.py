@@ -59,6 +59,27 @@ from .timing import capture
 __all__ = ["GraphedCalls"]
 
 
+#: Tensors of at least this many bytes are copied one by one (``Tensor.copy_``); smaller ones together
+#: in one multi-tensor copy, whose one launch costs less than theirs. On a lent H100 a 64 MiB copy took
+#: 42 µs through ``copy_`` and about 56 µs as part of ``torch._foreach_copy_`` (which splits large
+#: tensors over several launches of its kernel).
+COPY_ALONE_BYTES = 1 << 20
+
+
+def _copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+    """``dst.copy_(src)`` for each pair: the large ones alone, the others in one multi-tensor copy
+    (:data:`COPY_ALONE_BYTES`)."""
+    small_d, small_s = [], []
+    for d, s in zip(dsts, srcs):
+        if d.numel() * d.element_size() >= COPY_ALONE_BYTES:
+            d.copy_(s)
+        else:
+            small_d.append(d)
+            small_s.append(s)
+    if small_d:
+        torch._foreach_copy_(small_d, small_s)
+
+
 class _Entry:
     __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs", "reads")
 
@@ -252,8 +273,7 @@ class GraphedCalls:
             self._replay(entry, streams)
             outputs = [torch.empty_like(o) if o.numel() else o for o in entry.outputs]
             full = [i for i, o in enumerate(entry.outputs) if o.numel()]
-            if full:
-                torch._foreach_copy_([outputs[i] for i in full], [entry.outputs[i] for i in full])
+            _copy([outputs[i] for i in full], [entry.outputs[i] for i in full])
             return tuple(outputs)
 
     @staticmethod
@@ -263,8 +283,7 @@ class GraphedCalls:
         skip = {i for i, _ in reads}
         pairs = [(dst, src) for i, (dst, src) in enumerate(zip(entry.inputs, tensors))
                  if dst is not None and dst.numel() and i not in skip]
-        if pairs:   # one multi-tensor copy for all inputs: launches cost more than these bytes
-            torch._foreach_copy_([d for d, _ in pairs], [s for _, s in pairs])
+        _copy([d for d, _ in pairs], [s for _, s in pairs])
 
     @staticmethod
     def _replay(entry: _Entry, streams: tuple[SRStream, ...]) -> None:
