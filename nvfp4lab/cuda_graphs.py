@@ -61,8 +61,8 @@ __all__ = ["GraphedCalls"]
 
 #: Tensors of at least this many bytes are copied one by one (``Tensor.copy_``); smaller ones together
 #: in one multi-tensor copy, whose one launch costs less than theirs. On a lent H100 a 64 MiB copy took
-#: 42 µs through ``copy_`` and about 56 µs as part of ``torch._foreach_copy_`` (which splits large
-#: tensors over several launches of its kernel).
+#: 49.4 µs through ``copy_`` and 66.6 µs through ``torch._foreach_copy_`` (which splits large tensors
+#: over several launches of its kernel; ``nvfp4lab.timing.bench_ms``, commit 6fd3362).
 COPY_ALONE_BYTES = 1 << 20
 
 
@@ -198,7 +198,7 @@ class GraphedCalls:
             key: everything else ``fn`` depends on (options; the identity of the objects it
                 reads, which ``keep`` then holds). The signature is ``key`` with the inputs'
                 shapes, strides, dtypes and device and the current CUDA stream.
-            tensors: the inputs (copied into the graph's static buffers on replay).
+            tensors: the inputs (copied into the graph's static buffers on replay, but see ``steady``).
             streams: the :class:`~nvfp4lab.rounding.SRStream` objects ``fn`` draws SR keys from
                 (on the inputs' device); each advances exactly as by a direct call.
             keep: objects held as long as the graph.
