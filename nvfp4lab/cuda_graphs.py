@@ -315,15 +315,13 @@ class GraphedCalls:
         captured."""
         who = (sig, owner)
         moves = self._owned_moves.get(who, 0)
-        reads = () if moves >= self.OWNER_CAPTURES else \
-            tuple((i, tensors[i].data_ptr()) for i in steady if tensors[i] is not None)
+        here = tuple((i, tensors[i].data_ptr()) for i in steady if tensors[i] is not None)
         own = self._owned.get(who)
-        if own is not None and own.reads != reads:   # a steady input moved: a graph for where it is now
-            del self._owned[who]
-            if own.reads:
-                self._owned_moves[who] = moves = moves + 1
-                reads = () if moves >= self.OWNER_CAPTURES else reads
+        if own is not None and moves < self.OWNER_CAPTURES and own.reads != here:
+            del self._owned[who]   # a steady input moved: a graph for where it is now
             own = None
+            self._owned_moves[who] = moves = moves + 1
+        reads = here if moves < self.OWNER_CAPTURES else ()
         if own is None:
             if who in self._owned_failed or self._owned_captures >= 2 * self.max_in_place or not self.max_in_place:
                 return None
