@@ -27,9 +27,11 @@ signature and replayed:
    own, reading those static inputs and writing outputs it owns, returned without a copy out
    whenever no one holds the caller's previous outputs (in training, by a layer's next call the
    backward has consumed them); otherwise 3. Inputs the caller names as steady (``steady``: for
-   the layer its weight and bias, and in the backward the buffer its forward's graph owns) are
-   read where they are by that graph, not copied, while they stay at the addresses it was
-   captured with (a few moves are followed by a new capture; after that they are copied).
+   the layer all of them: X, the weight and the bias; dY and the buffer its forward's graph owns)
+   are read where they are by that graph, not copied, while they stay at the addresses it was
+   captured with (an input that moves gets a new capture a few times; after that it is copied).
+   A caller that passes the same tensors call after call, or whose allocator hands out the same
+   addresses step after step, pays no copy in; one whose activations keep moving pays as in 3.
 
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
@@ -140,7 +142,7 @@ class GraphedCalls:
         self._owned: OrderedDict[Hashable, _Entry] = OrderedDict()   # by (sig, owner): the owned-outputs tier
         self._owned_captures = 0
         self._owned_failed: set[Hashable] = set()
-        self._owned_moves: dict[Hashable, int] = {}   # by (sig, owner): captures for moved steady inputs
+        self._owned_moves: dict[Hashable, dict[int, int]] = {}   # by (sig, owner): captures per moved steady input
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -177,6 +179,8 @@ class GraphedCalls:
         with self._lock:
             for who in [w for w in self._owned if w[1] == owner]:
                 del self._owned[who]
+            for who in [w for w in self._owned_moves if w[1] == owner]:
+                del self._owned_moves[who]
             for who in [w for w in self._owners if w[1] == owner]:
                 graph_key = self._owners.pop(who).graph_key
                 if graph_key is not None:
@@ -215,12 +219,14 @@ class GraphedCalls:
                 outputs of its previous call any more, replay a graph of its own that writes
                 outputs it owns, returned without a copy (:meth:`_owned_entry`); otherwise the
                 copies above. None: no such graph.
-            steady: indices of ``tensors`` that usually stay at one address from call to call (a
-                layer's parameters; a buffer an owner's graph returned): the owner's graph reads
-                them where they are instead of from the copying graph's static buffers, so they
-                are not copied in. A call whose steady inputs have moved replays a graph captured
-                for the new addresses (at most :attr:`OWNER_CAPTURES` such captures per owner and
-                signature; then that owner's graph copies them like the others).
+            steady: indices of ``tensors`` that may stay at one address from call to call (a
+                layer's parameters; a buffer an owner's graph returned; activations a caller
+                passes again or that the allocator puts at the same place each step): the owner's
+                graph reads them where they are instead of from the copying graph's static
+                buffers, so they are not copied in. A call where one of them has moved replays a
+                graph captured for the new addresses; an input that has moved
+                :attr:`OWNER_CAPTURES` times (per owner and signature) is copied like the others
+                from then on, while the rest are still read in place.
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns, or, from
@@ -307,26 +313,38 @@ class GraphedCalls:
         caller holds any of those outputs (storage use counts, as in :meth:`_call_in_place`); layers
         of one shape each have their own graph, so in training an owner's outputs are free again by
         its next call (the previous step's backward has consumed them). Captured at the owner's first
-        call once the copying graph exists, and again where a steady input has moved: after
-        :attr:`OWNER_CAPTURES` such moves the owner's graph reads copies of them too. It replays only
+        call once the copying graph exists, and again where a steady input it reads in place has
+        moved: an input that has moved :attr:`OWNER_CAPTURES` times is read from the static buffer
+        (copied in) from then on, the others still where they are. It replays only
         while this call's steady inputs sit at the addresses it was captured with (shapes, strides and
-        dtypes are in the signature), so it reads them, whatever memory once held there.
+        dtypes are in the signature), so it reads them, whatever memory once held there. A capture
+        for moved inputs writes into the outputs of the graph it replaces where no one holds them
+        (they stay where they are: a graph that reads them in place, the backward's reading its
+        forward's saved copies, needs no new capture).
         At most :attr:`max_in_place` kept (least recently used dropped) and ``2 * max_in_place``
-        captured."""
+        captured, besides the captures for moves (at most :attr:`OWNER_CAPTURES` per steady input
+        and owner)."""
         who = (sig, owner)
-        moves = self._owned_moves.get(who, 0)
-        here = tuple((i, tensors[i].data_ptr()) for i in steady if tensors[i] is not None)
+        moves = self._owned_moves.setdefault(who, {})   # by input index: captures for its moves
         own = self._owned.get(who)
-        if own is not None and moves < self.OWNER_CAPTURES and own.reads != here:
-            del self._owned[who]   # a steady input moved: a graph for where it is now
+        moved = [] if own is None else [i for i, ptr in own.reads if tensors[i].data_ptr() != ptr]
+        reuse = None
+        if moved:   # a steady input the graph reads where it was has moved: a graph for where it is now
+            del self._owned[who]
+            reuse = own.outputs if own.outputs_free() else None
             own = None
-            self._owned_moves[who] = moves = moves + 1
-        reads = here if moves < self.OWNER_CAPTURES else ()
+            for i in moved:
+                moves[i] = moves.get(i, 0) + 1
         if own is None:
-            if who in self._owned_failed or self._owned_captures >= 2 * self.max_in_place or not self.max_in_place:
+            # read in place: the steady inputs that have not used up their captures for moves
+            reads = tuple((i, tensors[i].data_ptr()) for i in steady
+                          if tensors[i] is not None and moves.get(i, 0) < self.OWNER_CAPTURES)
+            # (captures for moves are bounded per owner and input, the others in all)
+            if who in self._owned_failed or not self.max_in_place \
+                    or (not moved and self._owned_captures >= 2 * self.max_in_place):
                 return None
-            self._owned_captures += 1
-            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, stream)
+            self._owned_captures += not moved
+            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, stream, reuse)
             if own is None:
                 self._owned_failed.add(who)
                 return None
@@ -338,15 +356,16 @@ class GraphedCalls:
         self._owned.move_to_end(who)
         return own
 
-    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, stream) -> _Entry | None:
+    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, stream,
+                       reuse: tuple | None = None) -> _Entry | None:
         where = {i for i, _ in reads}
         inputs = [t if i in where else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
         before = [t.get_state() for t in twins]
         # the outputs: a direct call's on the inputs the graph reads (whatever the static buffers hold:
         # the graph, not this call, computes what is returned), kept; it advances the twins, which
-        # shows which are used
-        outputs = tuple(fn(*inputs, streams=twins))
+        # shows which are used. ``reuse``: outputs of the graph this one replaces, written again
+        outputs = tuple(fn(*inputs, streams=twins) if reuse is None else fn(*inputs, streams=twins, out=reuse))
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
         done = self._capture_into(lambda: fn(*inputs, streams=twins, out=outputs), outputs, stream,
                                   "these calls copy their outputs out")
@@ -390,7 +409,7 @@ class GraphedCalls:
                             for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
 
     #: In-place captures an owner may make; one whose input addresses keep changing then copies. Also the
-    #: owned tier's captures for moved steady inputs, per owner and signature (then they are copied).
+    #: owned tier's captures for the moves of one steady input, per owner and signature (then it is copied).
     OWNER_CAPTURES = 3
     #: Calls in a row an owner must make with the same addresses before its in-place graph is captured.
     STABLE_CALLS = 3

@@ -662,7 +662,7 @@ def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, n
                         streams=(stream,), keep=(opts,),
                         in_place=("fprop", state.key) if opts.layer_graphs_in_place else None,
                         owner=("fprop", state.key) if opts.layer_graphs_owned_outputs else None,
-                        steady=(1, 2),   # the weight and bias, read where they are
+                        steady=(0, 1, 2),   # x, the weight and the bias, read where they are while they stay
                         eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
                         and _covered(state, weight, "weight", "weight_columnwise", need_dgrad))
 
@@ -680,7 +680,7 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
                         ("bprop", state.recipe, id(opts), *rest), (dy, saved), streams=(stream,), keep=(opts,),
                         in_place=("bprop", state.key) if opts.layer_graphs_in_place else None,
                         owner=("bprop", state.key) if opts.layer_graphs_owned_outputs else None,
-                        steady=(1,),   # the saved copies: the forward's graph's own buffer
+                        steady=(0, 1),   # dY, and the saved copies (the forward's graph's own buffer)
                         eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))
 
 

@@ -134,8 +134,9 @@ class KernelOptions:
             allocator settles, it measured slower than the copies (``benchmarks/bench_api.py``
             measures both: ``eager_in_place``).
         layer_graphs_owned_outputs: with ``layer_graphs``, each layer and direction also has a
-            graph of its own that writes outputs it owns (the activations copied in as usual; the
-            weight, bias and saved copies read where they are while they stay at one address): a
+            graph of its own that writes outputs it owns (its inputs — X or dY, the weight, the
+            bias, the saved copies — read where they are while they stay at one address, and
+            copied in once one has moved a few times): a
             call returns those without copying them out, whenever nothing holds the
             outputs of that layer's previous call any more (in training, by its next call: the
             backward has consumed them), and otherwise copies them out (the

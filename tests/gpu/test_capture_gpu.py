@@ -244,58 +244,77 @@ def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones()
                                                                   for m in twin)
 
 
-def test_owned_graphs_read_the_weight_and_the_saved_copies_where_they_are():
-    """The layer's own graphs read its weight and bias (forward) and the buffer of saved copies its
-    forward's graph returned (backward) where they are: an optimizer step that updates the weight in
-    place is seen by the next replay without a copy in (the copying graph's static weight keeps
-    what it was given last). A weight replaced by a new tensor (a new address) gets a graph for its
-    new address, up to ``OWNER_CAPTURES`` times; after that the owner's graph reads copies of it.
+def test_owned_graphs_read_steady_inputs_where_they_are():
+    """The layer's own graphs read X, the weight and the bias (forward) and dY and the buffer of
+    saved copies its forward's graph returned (backward) where they are while they stay put: new
+    values in the same tensors (an input buffer refilled, an optimizer step in place) are seen by
+    the next replay without a copy in (the copying graph's static buffers keep what they were given
+    last). An input that moves gets a graph for its new address, up to ``OWNER_CAPTURES`` times;
+    after that the owner's graph reads a copy of that input, and still reads the others in place.
     Every step gives the bits of the kernels launched one by one, SR streams included."""
     LAYER_GRAPHS.clear()
     torch.manual_seed(0)
     layer = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3)
     twin = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3)
     twin.load_state_dict(layer.state_dict())
+    bufs = {m: (torch.empty(512, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True),
+                torch.empty(512, 768, device=DEV, dtype=torch.bfloat16)) for m in (layer, twin)}
+    kept = []   # inputs of earlier steps, kept alive: a new input cannot reuse their addresses
 
-    def steps(m, first, n, replace):
+    def steps(m, first, n, move_weight=False, move_x=False):
         got = []
         for i in range(first, first + n):
-            x = _x((512, 1024), 70 + i).requires_grad_()
-            m.weight.grad = m.bias.grad = None
+            x, gy = bufs[m]
+            if move_x:
+                x, gy = torch.empty_like(x).requires_grad_(), torch.empty_like(gy)
+                kept.append((x, gy))
+            with torch.no_grad():   # the step's batch, into the input tensors
+                x.copy_(_x((512, 1024), 70 + i))
+                gy.copy_(_x((512, 768), 90 + i))
+            x.grad = m.weight.grad = m.bias.grad = None
             y = m(x)
-            y.backward(_x((512, 768), 90 + i))
+            y.backward(gy)
             got.append([t.detach().clone() for t in (y, x.grad, m.weight.grad, m.bias.grad)])
             with torch.no_grad():   # an optimizer step, in place
                 m.weight.add_(m.weight.grad, alpha=-2.0**-6)
                 m.bias.add_(m.bias.grad, alpha=-2.0**-6)
-            if replace:
+            if move_weight:
                 m.weight = torch.nn.Parameter(m.weight.detach().clone())   # a new address
-            del x, y
+            del y
         return got
 
-    def check(got, ref):
+    def both(first, n, **moves):
+        got = steps(layer, first, n, **moves)
+        with kernels.use_options(layer_graphs=False):
+            ref = steps(twin, first, n, **moves)
         for step_got, step_ref in zip(got, ref):
             for a, b in zip(step_got, step_ref):
                 assert torch.equal(a, b)
 
-    got = steps(layer, 0, 6, replace=False)
-    owned = {who[1][0]: (who, own) for who, own in LAYER_GRAPHS._owned.items()}
-    assert set(owned) == {"fprop", "bprop"}
-    (fsig, fprop), (_, bprop) = owned["fprop"], owned["bprop"]
-    assert fprop.reads == ((1, layer.weight.data_ptr()), (2, layer.bias.data_ptr()))
-    assert [i for i, _ in bprop.reads] == [1]
-    static_weight = LAYER_GRAPHS._entries[fsig[0]].inputs[1]
-    assert not torch.equal(static_weight, layer.weight), "the weight was copied in"
-    with kernels.use_options(layer_graphs=False):
-        ref = steps(twin, 0, 6, replace=False)
-    check(got, ref)
-    got = steps(layer, 6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, replace=True)
-    with kernels.use_options(layer_graphs=False):
-        ref = steps(twin, 6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, replace=True)
-    check(got, ref)
-    fprop = LAYER_GRAPHS._owned[fsig]
-    assert fprop.reads == () and fprop.inputs[1] is LAYER_GRAPHS._entries[fsig[0]].inputs[1], \
-        "after OWNER_CAPTURES moves the forward reads a copy of the weight"
+    def owned():
+        graphs = {who[1][0]: (who, own) for who, own in LAYER_GRAPHS._owned.items()}
+        assert set(graphs) == {"fprop", "bprop"}
+        return graphs["fprop"], graphs["bprop"]
+
+    both(0, 6)
+    (fsig, fprop), (bsig, bprop) = owned()
+    x, gy = bufs[layer]
+    assert fprop.reads == ((0, x.data_ptr()), (1, layer.weight.data_ptr()), (2, layer.bias.data_ptr()))
+    assert bprop.reads[0] == (0, gy.data_ptr()) and [i for i, _ in bprop.reads] == [0, 1]
+    static = LAYER_GRAPHS._entries[fsig[0]].inputs
+    assert not torch.equal(static[0], x) and not torch.equal(static[1], layer.weight), "X or the weight was copied in"
+    assert not torch.equal(LAYER_GRAPHS._entries[bsig[0]].inputs[0], gy), "dY was copied in"
+
+    both(6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, move_weight=True)
+    (_, fprop), _ = owned()
+    assert fprop.reads == ((0, x.data_ptr()), (2, layer.bias.data_ptr())), \
+        "after OWNER_CAPTURES moves the forward reads a copy of the weight, and X and the bias in place"
+    assert fprop.inputs[1] is LAYER_GRAPHS._entries[fsig[0]].inputs[1]
+
+    both(14, 2 + LAYER_GRAPHS.OWNER_CAPTURES, move_x=True)
+    (_, fprop), (_, bprop) = owned()
+    assert fprop.reads == ((2, layer.bias.data_ptr()),), "X that keeps moving is copied in"
+    assert [i for i, _ in bprop.reads] == [1], "dY that keeps moving is copied in; the saved copies are read in place"
     assert torch.equal(layer.sr_streams()[0].get_state(), twin.sr_streams()[0].get_state())
 
 
