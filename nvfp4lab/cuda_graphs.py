@@ -29,7 +29,8 @@ signature and replayed:
    backward has consumed them); otherwise 3. Inputs the caller names as steady (``steady``: for
    the layer all of them: X, the weight and the bias; dY and the buffer its forward's graph owns)
    are read where they are by that graph, not copied, while they stay at the addresses it was
-   captured with (an input that moves gets a new capture a few times; after that it is copied).
+   captured with (an input that moves gets a new capture a few times; after that it is copied),
+   and the SR streams are advanced in place, as in 2.
    A caller that passes the same tensors call after call, or whose allocator hands out the same
    addresses step after step, pays no copy in; one whose activations keep moving pays as in 3.
 
@@ -83,16 +84,18 @@ def _copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
 
 
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs", "reads")
+    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs", "reads", "draws")
 
-    def __init__(self, graph, inputs, outputs, twins, keep, refs=(), reads=()) -> None:
+    def __init__(self, graph, inputs, outputs, twins, keep, refs=(), reads=(), draws=None) -> None:
         self.graph, self.inputs, self.outputs, self.twins, self.keep = graph, inputs, outputs, twins, keep
         # in place: a weak reference to each output's storage and its use count while only the entry
         # holds it (more means a caller still holds the output the last replay returned)
         self.refs = refs
         # owned tier: (index, address) of each input the graph reads where it is rather than from
-        # the copying graph's static buffer
+        # the copying graph's static buffer; the addresses of the SR streams it draws from and
+        # advances where they are (None: it draws from its twins)
         self.reads = reads
+        self.draws = draws
 
     def outputs_free(self) -> bool:
         """Whether no caller holds an output of this entry's last replay (in-place entries)."""
@@ -307,7 +310,10 @@ class GraphedCalls:
 
         The graph reads the copying graph's static inputs (the call copies its inputs there as
         usual), except the ``steady`` inputs, which it reads where they are (its ``reads``: their
-        indices and addresses at its capture), and its own twins of the streams; it writes outputs
+        indices and addresses at its capture), and draws from the SR streams themselves, advancing
+        them in place (no copies of their states in and out; streams other than those it was
+        captured with get a new capture like a moved input, and after :attr:`OWNER_CAPTURES` such
+        captures a graph drawing from twins, as the copying graph does); it writes outputs
         allocated for it outside the graphs' pool, which the call returns as aliases (``detach()``).
         Its replay would overwrite what its previous replay returned, so it replays only once no
         caller holds any of those outputs (storage use counts, as in :meth:`_call_in_place`); layers
@@ -327,7 +333,10 @@ class GraphedCalls:
         who = (sig, owner)
         moves = self._owned_moves.setdefault(who, {})   # by input index: captures for its moves
         own = self._owned.get(who)
+        draws = tuple(s.data_ptr() for s in streams)
         moved = [] if own is None else [i for i, ptr in own.reads if tensors[i].data_ptr() != ptr]
+        if own is not None and own.draws is not None and own.draws != draws:
+            moved.append("streams")   # other SR streams than those the graph advances in place
         reuse = None
         if moved:   # a steady input the graph reads where it was has moved: a graph for where it is now
             del self._owned[who]
@@ -339,12 +348,13 @@ class GraphedCalls:
             # read in place: the steady inputs that have not used up their captures for moves
             reads = tuple((i, tensors[i].data_ptr()) for i in steady
                           if tensors[i] is not None and moves.get(i, 0) < self.OWNER_CAPTURES)
+            in_place = moves.get("streams", 0) < self.OWNER_CAPTURES
             # (captures for moves are bounded per owner and input, the others in all)
             if who in self._owned_failed or not self.max_in_place \
                     or (not moved and self._owned_captures >= 2 * self.max_in_place):
                 return None
             self._owned_captures += not moved
-            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, stream, reuse)
+            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, stream, reuse, in_place)
             if own is None:
                 self._owned_failed.add(who)
                 return None
@@ -357,7 +367,7 @@ class GraphedCalls:
         return own
 
     def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, stream,
-                       reuse: tuple | None = None) -> _Entry | None:
+                       reuse: tuple | None = None, in_place: bool = True) -> _Entry | None:
         where = {i for i, _ in reads}
         inputs = [t if i in where else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
@@ -367,7 +377,9 @@ class GraphedCalls:
         # shows which are used. ``reuse``: outputs of the graph this one replaces, written again
         outputs = tuple(fn(*inputs, streams=twins) if reuse is None else fn(*inputs, streams=twins, out=reuse))
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
-        done = self._capture_into(lambda: fn(*inputs, streams=twins, out=outputs), outputs, stream,
+        # the replays draw from the streams themselves, in place (``in_place``), or from the twins
+        draw = streams if in_place else twins
+        done = self._capture_into(lambda: fn(*inputs, streams=draw, out=outputs), outputs, stream,
                                   "these calls copy their outputs out")
         if done is None:   # this caller then always takes the copies out
             return None
@@ -376,7 +388,8 @@ class GraphedCalls:
         # caller holding that graph's outputs): a replay happens only while this call's steady inputs
         # sit at the addresses in ``reads``, so it reads them, whatever was there before
         held = tuple(None if i in where else t for i, t in enumerate(inputs))
-        return _Entry(done[0], held, outputs, used, tuple(keep), done[1], reads)
+        return _Entry(done[0], held, outputs, () if in_place else used, tuple(keep), done[1], reads,
+                      tuple(s.data_ptr() for s in streams) if in_place else None)
 
     def _capture_stream(self, where: tuple[int, int], device) -> "torch.cuda.Stream":
         """The stream the graphs replayed on caller stream ``where`` are captured on (made once)."""

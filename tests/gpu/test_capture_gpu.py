@@ -244,14 +244,16 @@ def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones()
                                                                   for m in twin)
 
 
-def test_owned_graphs_read_steady_inputs_where_they_are():
+def test_owned_graphs_read_steady_inputs_and_streams_where_they_are():
     """The layer's own graphs read X, the weight and the bias (forward) and dY and the buffer of
     saved copies its forward's graph returned (backward) where they are while they stay put: new
     values in the same tensors (an input buffer refilled, an optimizer step in place) are seen by
     the next replay without a copy in (the copying graph's static buffers keep what they were given
     last). An input that moves gets a graph for its new address, up to ``OWNER_CAPTURES`` times;
     after that the owner's graph reads a copy of that input, and still reads the others in place.
-    Every step gives the bits of the kernels launched one by one, SR streams included."""
+    The backward's graph draws SR keys from the layer's stream in place (no twin), and a new
+    stream gets a graph of its own. Every step gives the bits of the kernels launched one by one,
+    SR streams included."""
     LAYER_GRAPHS.clear()
     torch.manual_seed(0)
     layer = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3)
@@ -304,6 +306,15 @@ def test_owned_graphs_read_steady_inputs_where_they_are():
     static = LAYER_GRAPHS._entries[fsig[0]].inputs
     assert not torch.equal(static[0], x) and not torch.equal(static[1], layer.weight), "X or the weight was copied in"
     assert not torch.equal(LAYER_GRAPHS._entries[bsig[0]].inputs[0], gy), "dY was copied in"
+    stream, twin_stream = layer.sr_streams()[0], twin.sr_streams()[0]
+    assert bprop.twins == () and bprop.draws == (stream.data_ptr(),), "SR keys drawn from the layer's stream in place"
+
+    for m in (layer, twin):   # another SR stream: the backward's graph is captured for it
+        m.generator = SRStream(11, DEV)
+    both(22, 3)
+    _, (_, bprop) = owned()
+    assert bprop.twins == () and bprop.draws == (layer.generator.data_ptr(),)
+    assert torch.equal(stream.get_state(), twin_stream.get_state())
 
     both(6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, move_weight=True)
     (_, fprop), _ = owned()
@@ -315,7 +326,7 @@ def test_owned_graphs_read_steady_inputs_where_they_are():
     (_, fprop), (_, bprop) = owned()
     assert fprop.reads == ((2, layer.bias.data_ptr()),), "X that keeps moving is copied in"
     assert [i for i, _ in bprop.reads] == [1], "dY that keeps moving is copied in; the saved copies are read in place"
-    assert torch.equal(layer.sr_streams()[0].get_state(), twin.sr_streams()[0].get_state())
+    assert torch.equal(layer.generator.get_state(), twin.generator.get_state())
 
 
 def test_clearing_the_layer_graphs_gives_their_memory_back():
