@@ -338,9 +338,9 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     the backward, as TE does. Shared by the autograd function (eager) and the custom op (compile).
     ``out_y``: where the Fprop GEMM writes Y (only with the default quantizer, whose ``matmul``
     takes ``out``; the layer's CUDA graphs use it), or None for a new tensor. ``out_saved``:
-    (data, scale, amax) where the kernels write the Xᵀ and the Wᵀ copy (:func:`_fprop_packed`'s
-    buffer; same condition), each or both None for new tensors; a path that makes its copies
-    otherwise returns new tensors all the same."""
+    (data, scale, amax) where the kernels write the Xᵀ and the Wᵀ copy (for a 2D Wᵀ also its
+    values: :func:`_saved_layout`; :func:`_fprop_packed`'s buffer; same condition), each or both
+    None for new tensors; a path that makes its copies otherwise returns new tensors all the same."""
     M, K = x2d.shape
     N = weight.shape[0]
     if M == 0:
@@ -529,10 +529,13 @@ _PACK_ALIGN = 256   # bytes: each saved tensor starts at an aligned offset of th
 
 def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
                   need_wgrad: bool) -> tuple[tuple[tuple[int, tuple, torch.dtype], ...], int]:
-    """((byte offset, shape, dtype) of each of the six saved tensors — Xᵀ codes, scales, amax, then
-    Wᵀ's, empty when not needed — in one uint8 buffer, the buffer's size in bytes). Codes and scales
-    start at multiples of ``_PACK_ALIGN`` bytes (what the kernels that write them there need); the
-    two float32 amaxes follow them, side by side."""
+    """((byte offset, shape, dtype) of each of the seven saved tensors — Xᵀ codes, scales, amax, then
+    Wᵀ's, then Wᵀ's BF16 block values stored as W's ``[N, K]`` (2D weight blocks only: the
+    transpose of the Fprop operand's values, which the forward's kernel writes there and the Dgrad
+    GEMM reads, instead of decoding Wᵀ again in the backward), each empty when not needed — in one
+    uint8 buffer, the buffer's size in bytes). Codes, scales and values start at multiples of
+    ``_PACK_ALIGN`` bytes (what the kernels that write them there need); the two float32 amaxes
+    follow them, side by side."""
     (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
     meta = []
     for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
@@ -543,12 +546,14 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
                      ((), torch.float32)]
         else:
             meta += [((0,), torch.uint8), ((0,), torch.float8_e4m3fn), ((0,), torch.float32)]
-    layout, off = [None] * 6, 0
-    for i in (0, 1, 3, 4, 2, 5):   # the two 4-byte amaxes last, side by side: one padding tail
+    two_d = need_dgrad and M > 0 and state.recipe.quantize_options("weight_columnwise")["block"] == "2d"
+    meta.append(((nw, kw) if two_d else (0,), torch.bfloat16))
+    layout, off = [None] * 7, 0
+    for i in (0, 1, 3, 4, 6, 2, 5):   # the two 4-byte amaxes last, side by side: one padding tail
         shape, dtype = meta[i]
         layout[i] = (off, shape, dtype)
         off += math.prod(shape) * dtype.itemsize
-        if i in (0, 1, 3, 4):
+        if i not in (2, 5):
             off = -(-off // _PACK_ALIGN) * _PACK_ALIGN
     return tuple(layout), -(-off // _PACK_ALIGN) * _PACK_ALIGN
 
@@ -574,11 +579,16 @@ def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, b
             if start > end:
                 saved[end:start].zero_()   # padding bytes defined: reproducible
     views = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
+    values_t = views[6].t() if views[6].numel() else None   # Wᵀ's values [K, N]
     # the kernels write the copies straight into the buffer; any other path's copies are copied in
-    out_saved = tuple(tuple(views[i:i + 3]) if views[i].numel() else None for i in (0, 3))
+    out_xt = tuple(views[0:3]) if views[0].numel() else None
+    out_wt = (tuple(views[3:6]) + ((values_t,) if values_t is not None else ())) if views[3].numel() else None
     with torch.autocast(device_type=x2d.device.type, enabled=False):
-        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y, out_saved)
+        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y, (out_xt, out_wt))
     parts = [t for q in (qxt, qwt) for t in ((q.data, q.scale, q.amax) if q is not None else (None,) * 3)]
+    if values_t is not None and qwt is not None:
+        parts.append(qwt.block_values(torch.bfloat16))
+        views[6] = values_t
     for t, view in zip(parts, views):
         if t is not None and t.numel() and t.data_ptr() != view.data_ptr():
             view.copy_(t)
@@ -600,7 +610,8 @@ def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: 
     parts = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
     (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
     qxt = _unflat(state, *parts[:3], "input_columnwise", (kx, mx), x_dtype)
-    qwt = _unflat(state, *parts[3:], "weight_columnwise", (kw, nw), w_dtype)
+    qwt = _unflat(state, *parts[3:6], "weight_columnwise", (kw, nw), w_dtype,
+                  values=parts[6].t() if parts[6].numel() else None)
     with torch.autocast(device_type=dy.device.type, enabled=False):
         dx, dw, db = _bprop(state, dy, qxt, qwt, K, x_dtype, w_dtype, bias_dtype, need_dgrad, need_wgrad, need_dbias,
                             None if out is None else out[:2])
@@ -697,11 +708,13 @@ def _(x2d, weight, bias, key, need_dgrad, need_wgrad):
     return x2d.new_empty((x2d.shape[0], weight.shape[0])), torch.empty(size, dtype=torch.uint8, device=x2d.device)
 
 
-def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype) -> NVFP4Tensor | None:
+def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype,
+            values: torch.Tensor | None = None) -> NVFP4Tensor | None:
     if data.numel() == 0 and amax.dim() == 1:
         return None
     opts = state.recipe.quantize_options(role)
     return NVFP4Tensor(data=data, scale=scale, amax=amax, shape=torch.Size(shape), block=opts["block"], dtype=dtype,
+                       values_bf16=values,
                        rht=opts["rht"], rounding=opts["rounding"],
                        four_over_six=opts.get("four_over_six", False), e4m3_max=opts.get("e4m3_max", 448),
                        rht_signs=torch.as_tensor(opts.get("rht_signs", WGRAD_SIGNS), dtype=torch.float32)

@@ -822,6 +822,11 @@ def quantize_rowwise_columnwise(
             contiguous and 16-byte aligned), or None for new ones. The kernels write the codes and
             scales there directly (the amax, computed in a buffer of its own, is copied); the
             reference path copies all three. The columnwise copy returned holds these tensors.
+            With 2D blocks a fourth tensor may follow: ``bfloat16 [K, M]``, the transpose of a
+            contiguous, 16-byte aligned ``[M, K]``, for the block values of the columnwise copy
+            (with 2D blocks the transpose of the rowwise copy's): the kernels write them there
+            (with ``values[0]``), else they are decoded into it; both copies' ``values_bf16``
+            are then views of it.
 
     Raises:
         What :func:`quantize` raises, for either copy.
@@ -833,10 +838,16 @@ def quantize_rowwise_columnwise(
         if fallback or uses_kernels(x, **row):
             return quantize(x, generator=generator, **row), None
         return None
-    if col_out is not None and not (isinstance(col_out, (tuple, list)) and len(col_out) == 3
+    if col_out is not None and not (isinstance(col_out, (tuple, list)) and len(col_out) in (3, 4)
                                     and isinstance(col_out[2], torch.Tensor) and col_out[2].shape == ()
                                     and col_out[2].dtype == torch.float32 and col_out[2].device == x.device):
-        raise ValueError("col_out must be (data, scale, amax) with amax a 0-d float32 tensor on x's device")
+        raise ValueError("col_out must be (data, scale, amax) with amax a 0-d float32 tensor on x's device, "
+                         "and with 2D blocks optionally the columnwise values")
+    values_t = col_out[3] if col_out is not None and len(col_out) == 4 else None
+    if values_t is not None and (row.get("block", "1d") != "2d" or not isinstance(values_t, torch.Tensor)
+                                 or values_t.dim() != 2 or not values_t.t().is_contiguous()):
+        raise ValueError("col_out's values (its fourth tensor) need 2D blocks and must be the transpose of a "
+                         "contiguous [M, K] tensor")
     args = _pair_kernel_args(x, row, col)
     if args is None:
         if not fallback:
@@ -849,15 +860,23 @@ def quantize_rowwise_columnwise(
                                         scale=col_out[1].view(torch.uint8).copy_(q_col.scale.view(torch.uint8))
                                         .view(torch.float8_e4m3fn),
                                         amax=col_out[2].copy_(q_col.amax))
+        if values_t is not None:
+            values_t.copy_(q_col.block_values(torch.bfloat16))
+            q_row = dataclasses.replace(q_row, values_bf16=values_t.t())
+            q_col = dataclasses.replace(q_col, values_bf16=values_t)
         return q_row, q_col
     block, rounding, col_rht, mask = args
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
         generator=generator, values=(bool(values[0]), bool(values[1])),
-        col_out=None if col_out is None else col_out[:2])
+        col_out=None if col_out is None else col_out[:2], values_out=None if values_t is None else values_t.t())
     if col_out is not None:
         st, amt = col_out[1].view(torch.float8_e4m3fn), col_out[2].copy_(amt)
     M, K = math.prod(x.shape[:-1]), x.shape[-1]
+    if values_t is not None:
+        if v is None:   # the kernel that ran wrote no values: decode them into the given tensor
+            values_t.t().copy_(kernels.block_values(d, s, M, K, block2d=True))
+        v, vt = values_t.t(), values_t
     q_row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
                         rounding=rounding, values_bf16=v)
     q_col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,

@@ -258,6 +258,35 @@ def test_pair_writes_the_columnwise_copy_into_given_tensors(block, rht):
         quantize_rowwise_columnwise(x, row, None, col_out=good)
 
 
+@pytest.mark.parametrize("values", [(True, False), (False, False)], ids=["written", "decoded"])
+def test_pair_writes_2d_values_into_a_given_tensor(values):
+    """With 2D blocks ``col_out`` may carry a fourth tensor, ``bfloat16 [K, M]`` (the transpose of a
+    contiguous ``[M, K]``): the columnwise copy's block values land there (the kernel writes them
+    with ``values[0]``, else they are decoded into it; the reference path too), bit-equal to
+    :meth:`block_values` of a pair made into new tensors, and both copies' ``values_bf16`` are views
+    of it. 1D blocks, or a tensor laid out otherwise, are refused by name."""
+    x = _x((48, 64), torch.bfloat16, seed=6)
+    row = col = dict(block="2d")
+    for xin, path_fallback in ((x, False), (x.double(), True)):
+        fresh = quantize_rowwise_columnwise(xin, row, col, fallback=path_fallback)[1]
+        vals = torch.full((48, 64), 7.0, dtype=torch.bfloat16).t()
+        out = (torch.empty(64, 24, dtype=torch.uint8), torch.empty(4, 3, dtype=torch.float8_e4m3fn),
+               torch.tensor(0.0), vals)
+        q_row, q_col = quantize_rowwise_columnwise(xin, row, col, fallback=path_fallback, values=values, col_out=out)
+        assert torch.equal(vals, fresh.block_values(torch.bfloat16))
+        assert q_col.values_bf16.data_ptr() == q_row.values_bf16.data_ptr() == vals.data_ptr()
+        assert torch.equal(q_row.values_bf16, vals.t())
+        assert_nvfp4_equal(q_col, fresh)
+    good = out[:3]
+    for bad_row, bad_vals in ((dict(block="1d"), torch.empty(48, 64, dtype=torch.bfloat16).t()),
+                              (row, torch.empty(64, 48, dtype=torch.bfloat16))):
+        with pytest.raises(ValueError, match="values"):
+            quantize_rowwise_columnwise(x, bad_row, dict(block=bad_row["block"]), col_out=good + (bad_vals,))
+    with pytest.raises(ValueError, match="values_out"):
+        quantize_rowwise_columnwise(x, row, col, values=(True, False),
+                                    col_out=good + (torch.empty(48, 64, dtype=torch.float32).t(),))
+
+
 def test_golden_special_inputs():
     """TE golden inputs (zeros, finfo.max, ±inf, ties, boundary, denormal block, tiny amax, 3-D)."""
     inputs = torch.load(FIXTURE, weights_only=True)["inputs"]

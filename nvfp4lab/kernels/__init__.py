@@ -607,7 +607,7 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
          on_amax: Callable[[torch.Tensor], Any] | None = None,
-         col_out: tuple[torch.Tensor, torch.Tensor] | None = None):
+         col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
@@ -615,7 +615,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     last two results are those tensors or ``None``. ``on_amax``: called with the rowwise amax
     (the columnwise one without ``row``) once the amax kernel is launched, when it runs.
     ``col_out``: (codes, scales as uint8) for the columnwise copy to be written into, checked by
-    :func:`check_col_out`, or None for new tensors."""
+    :func:`check_col_out`, or None for new tensors. ``values_out``: a contiguous BF16 [M, K] tensor
+    for the rowwise values (with ``values[0]``) to be written into, or None for a new one."""
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
@@ -667,9 +668,12 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     even = lambda BM, BK: M % BM == 0 and K % BK == 0  # noqa: E731
     reverse = need_row_amax or need_col_amax
 
+    def new_values() -> torch.Tensor:
+        return values_out if values_out is not None else torch.empty(M, K, dtype=torch.bfloat16, device=dev)
+
     def launch(row_: bool, col_: bool) -> None:
         if opts.rows_kernel and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
-            v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] else None
+            v = new_values() if values[0] else None
             _launch_rows(x2, _rows_args(x2, a_row, seeds, d, s, dummy if v is None else v.view(torch.int32)), config,
                          sr=sr, values=v is not None, after_amax=reverse, i64=i64)
             out_v[0] = v
@@ -679,7 +683,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             mode = "slices2d" if block2d else ("slices_both" if row_ else ("slices_col_sr" if sr else "slices_col"))
             cfg = config[mode]
             G, BK = cfg["G"], cfg["BK"]
-            v = torch.empty(M, K, dtype=torch.bfloat16, device=dev) if values[0] and row_ and block2d else None
+            v = new_values() if values[0] and row_ and block2d else None
             vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
             _launch(k.quantize_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),),
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
@@ -828,7 +832,7 @@ def quantize_rowwise_columnwise(
     x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False, sign_mask: int = 0,
     generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
     amax_t: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
-    col_out: tuple[torch.Tensor, torch.Tensor] | None = None,
+    col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Both NVFP4 copies a training step needs from ``x`` [..., K], one read of ``x`` per kernel.
 
@@ -846,6 +850,10 @@ def quantize_rowwise_columnwise(
         col_out: (codes, block scales) tensors the columnwise copy is written into (contiguous,
             16-byte aligned, the shapes below; scales as ``uint8`` or ``float8_e4m3fn``), or None
             for new ones: a caller that keeps the copy in a buffer of its own saves a copy pass.
+        values_out: a contiguous, 16-byte aligned ``bfloat16 [M, K]`` tensor the rowwise BF16 block
+            values are written into (with ``values[0]``; with ``block2d`` the columnwise values are
+            its transpose), or None for a new one. Where the kernel that runs writes no values the
+            result's ``values`` is None and ``values_out`` is left as it was.
 
     Returns:
         ``(data, scale, amax, data_t, scale_t, amax_t, values, values_t)``: as
@@ -854,7 +862,7 @@ def quantize_rowwise_columnwise(
         ``None``.
 
     Raises:
-        ValueError: ``col_out`` is not as described.
+        ValueError: ``col_out`` or ``values_out`` is not as described.
     """
     x2 = _as_2d(x)
     if x2.stride(1) != 1 and x2.stride(0) == 1:
@@ -862,10 +870,17 @@ def quantize_rowwise_columnwise(
     if col_out is not None:
         check_col_out(col_out, x2, block2d)
         col_out = (col_out[0], col_out[1].view(torch.uint8))
+    if values_out is not None and (not isinstance(values_out, torch.Tensor) or values_out.dtype != torch.bfloat16
+                                   or tuple(values_out.shape) != tuple(x2.shape) or not values_out.is_contiguous()
+                                   or values_out.device != x2.device or values_out.data_ptr() % 16):
+        got = ((values_out.dtype, tuple(values_out.shape), values_out.device) if isinstance(values_out, torch.Tensor)
+               else type(values_out).__name__)
+        raise ValueError(f"values_out must be a contiguous, 16-byte aligned bfloat16 {tuple(x2.shape)} tensor on "
+                         f"{x2.device}, got {got}")
     d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
         generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
-        col_out=col_out)
+        col_out=col_out, values_out=values_out)
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     return d, s, am, dt, st, amt, v, vt
