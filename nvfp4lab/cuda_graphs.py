@@ -242,12 +242,13 @@ class GraphedCalls:
             signature then always runs directly, after a ``RuntimeWarning`` naming the error.
         """
         streams = tuple(streams)
-        stream = torch.cuda.current_stream()
-        sig = (key, stream.device_index, stream.cuda_stream, len(streams),
+        index = torch._C._cuda_getDevice()
+        where = (index, torch._C._cuda_getCurrentRawStream(index))   # the current stream, as the graphs' pool key
+        sig = (key, *where, len(streams),
                tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
         with self._lock:
             if in_place is not None and self.max_in_place:
-                done = self._call_in_place(fn, sig, tensors, streams, keep, stream, in_place)
+                done = self._call_in_place(fn, sig, tensors, streams, keep, where, in_place)
                 if done is not None:
                     return done
             entry = self._entries.get(sig)
@@ -268,12 +269,12 @@ class GraphedCalls:
                         self._calls.clear()
                     self._calls[sig] = n + 1
                     return fn(*tensors, streams=streams)
-                entry = self._capture(fn, sig, tensors, streams, keep, stream)
+                entry = self._capture(fn, sig, tensors, streams, keep, where)
                 if entry is None:
                     return fn(*tensors, streams=streams)
             else:
                 self._entries.move_to_end(sig)
-                own = None if owner is None else self._owned_entry(fn, sig, entry, tensors, streams, keep, stream,
+                own = None if owner is None else self._owned_entry(fn, sig, entry, tensors, streams, keep, where,
                                                                    owner, steady)
                 self._copy_in(entry, tensors, () if own is None else own.reads)
                 if own is not None:   # outputs of the caller's own graph, no copy out
@@ -290,9 +291,13 @@ class GraphedCalls:
         """This call's inputs into the copying graph's static buffers, but those that the graph to be
         replayed reads where they are (``reads``: (index, address) pairs)."""
         skip = {i for i, _ in reads}
-        pairs = [(dst, src) for i, (dst, src) in enumerate(zip(entry.inputs, tensors))
-                 if dst is not None and dst.numel() and i not in skip]
-        _copy([d for d, _ in pairs], [s for _, s in pairs])
+        dsts, srcs = [], []
+        for i, (dst, src) in enumerate(zip(entry.inputs, tensors)):
+            if dst is not None and i not in skip and dst.numel():
+                dsts.append(dst)
+                srcs.append(src)
+        if dsts:
+            _copy(dsts, srcs)
 
     @staticmethod
     def _replay(entry: _Entry, streams: tuple[SRStream, ...]) -> None:
@@ -303,7 +308,7 @@ class GraphedCalls:
         for i, twin in entry.twins:
             streams[i].copy_(twin)
 
-    def _owned_entry(self, fn, sig, entry: _Entry, tensors, streams, keep, stream, owner: Hashable,
+    def _owned_entry(self, fn, sig, entry: _Entry, tensors, streams, keep, where, owner: Hashable,
                      steady: Sequence[int]) -> _Entry | None:
         """The owned-outputs tier: ``owner``'s own graph for this signature, or None where the copying
         graph's copies out must run instead.
@@ -354,7 +359,7 @@ class GraphedCalls:
                     or (not moved and self._owned_captures >= 2 * self.max_in_place):
                 return None
             self._owned_captures += not moved
-            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, stream, reuse, in_place)
+            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, where, reuse, in_place)
             if own is None:
                 self._owned_failed.add(who)
                 return None
@@ -366,10 +371,10 @@ class GraphedCalls:
         self._owned.move_to_end(who)
         return own
 
-    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, stream,
+    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, where,
                        reuse: tuple | None = None, in_place: bool = True) -> _Entry | None:
-        where = {i for i, _ in reads}
-        inputs = [t if i in where else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
+        in_place_at = {i for i, _ in reads}
+        inputs = [t if i in in_place_at else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
         before = [t.get_state() for t in twins]
         # the outputs: a direct call's on the inputs the graph reads (whatever the static buffers hold:
@@ -379,7 +384,7 @@ class GraphedCalls:
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
         # the replays draw from the streams themselves, in place (``in_place``), or from the twins
         draw = streams if in_place else twins
-        done = self._capture_into(lambda: fn(*inputs, streams=draw, out=outputs), outputs, stream,
+        done = self._capture_into(lambda: fn(*inputs, streams=draw, out=outputs), outputs, where,
                                   "these calls copy their outputs out")
         if done is None:   # this caller then always takes the copies out
             return None
@@ -387,27 +392,27 @@ class GraphedCalls:
         # not the steady inputs (holding the buffer a forward's graph returned would count as a
         # caller holding that graph's outputs): a replay happens only while this call's steady inputs
         # sit at the addresses in ``reads``, so it reads them, whatever was there before
-        held = tuple(None if i in where else t for i, t in enumerate(inputs))
+        held = tuple(None if i in in_place_at else t for i, t in enumerate(inputs))
         return _Entry(done[0], held, outputs, () if in_place else used, tuple(keep), done[1], reads,
                       tuple(s.data_ptr() for s in streams) if in_place else None)
 
-    def _capture_stream(self, where: tuple[int, int], device) -> "torch.cuda.Stream":
+    def _capture_stream(self, where: tuple[int, int]) -> "torch.cuda.Stream":
         """The stream the graphs replayed on caller stream ``where`` are captured on (made once)."""
         side = self._capture_streams.get(where)
         if side is None:
-            side = self._capture_streams[where] = torch.cuda.Stream(device)
+            side = self._capture_streams[where] = torch.cuda.Stream(torch.device("cuda", where[0]))
         return side
 
-    def _capture_into(self, run: Callable[[], tuple], outputs: tuple[torch.Tensor, ...], stream,
+    def _capture_into(self, run: Callable[[], tuple], outputs: tuple[torch.Tensor, ...], where: tuple[int, int],
                       failure: str) -> tuple[Any, tuple] | None:
         """Capture ``run()``, a call that writes into ``outputs`` and returns them, on a capture stream
-        of its own, in the graphs' pool of ``stream``: (the graph, a weak reference to each output's
+        of its own, in the graphs' pool of the caller's stream ``where`` (device index, raw stream):
+        (the graph, a weak reference to each output's
         storage with its use count now, while only the graph's entry will hold it), or None after a
         ``RuntimeWarning`` ending in ``failure``."""
-        where = (stream.device_index, stream.cuda_stream)
         pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
         try:
-            graph, returned = capture(run, warmup=0, pool=pool, stream=self._capture_stream(where, stream.device),
+            graph, returned = capture(run, warmup=0, pool=pool, stream=self._capture_stream(where),
                                       capture_error_mode="thread_local")
             if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
                 raise RuntimeError("the function did not return the out= tensors it was given")
@@ -427,7 +432,7 @@ class GraphedCalls:
     #: Calls in a row an owner must make with the same addresses before its in-place graph is captured.
     STABLE_CALLS = 3
 
-    def _call_in_place(self, fn, sig, tensors, streams, keep, stream,
+    def _call_in_place(self, fn, sig, tensors, streams, keep, where,
                        owner: Hashable) -> tuple[torch.Tensor, ...] | None:
         """The in-place tier: a graph per signature and input addresses that reads the inputs where
         they are (the addresses are part of its key, so the tensors at them are this call's) and
@@ -468,7 +473,7 @@ class GraphedCalls:
             if mine.graph_key is not None:
                 self._in_place.pop(mine.graph_key, None)   # the owner's previous graph and its outputs
             mine.graph_key, mine.captures = None, mine.captures + 1
-            entry = self._capture_in_place(fn, full, tensors, streams, keep, stream)
+            entry = self._capture_in_place(fn, full, tensors, streams, keep, where)
             if entry is None:
                 mine.captures = self.OWNER_CAPTURES   # it cannot be captured: this owner copies from now on
                 return None
@@ -479,11 +484,11 @@ class GraphedCalls:
         entry.graph.replay()   # draws from and advances the streams themselves (their addresses are in the key)
         return tuple(o.detach() for o in entry.outputs)
 
-    def _capture_in_place(self, fn, full, tensors, streams, keep, stream) -> _Entry | None:
+    def _capture_in_place(self, fn, full, tensors, streams, keep, where) -> _Entry | None:
         # the outputs: a direct call's, kept (the graph writes into them); on twins of the streams,
         # which that call advances and the capture, which runs nothing, does not
         outputs = tuple(fn(*tensors, streams=tuple(SRStream(0, s.device).copy_(s) for s in streams)))
-        done = self._capture_into(lambda: fn(*tensors, streams=streams, out=outputs), outputs, stream,
+        done = self._capture_into(lambda: fn(*tensors, streams=streams, out=outputs), outputs, where,
                                   "these calls copy their inputs and outputs")
         if done is None:   # this signature then always takes the copying tier
             return None
@@ -494,16 +499,15 @@ class GraphedCalls:
             self._in_place.popitem(last=False)
         return entry
 
-    def _capture(self, fn, sig, tensors, streams, keep, stream) -> _Entry | None:
+    def _capture(self, fn, sig, tensors, streams, keep, where) -> _Entry | None:
         inputs = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
                   .copy_(t) for t in tensors]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
         before = [t.get_state() for t in twins]
-        where = (stream.device_index, stream.cuda_stream)
         pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
         try:
             graph, outputs = capture(lambda: fn(*inputs, streams=twins), warmup=1, pool=pool,
-                                     stream=self._capture_stream(where, stream.device),
+                                     stream=self._capture_stream(where),
                                      capture_error_mode="thread_local")
         except Exception as err:  # noqa: BLE001 -- e.g. a host synchronization inside fn: run it directly
             self._direct.add(sig)

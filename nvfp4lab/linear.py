@@ -635,10 +635,14 @@ def _graph_stream(state: _LayerState, x2d: torch.Tensor) -> SRStream | None:
     (its offset lives on the host), GEMM operands being recorded, or a tensor on another GPU than
     the current one (whose stream a replay would use)."""
     if not (x2d.is_cuda and x2d.shape[0] > 0 and kernels.options().layer_graphs) or _OBSERVERS \
-            or state.high_precision or type(state.quantizer) is not NVFP4GemmQuantizer \
-            or x2d.device.index != torch.cuda.current_device() or torch.cuda.is_current_stream_capturing():
+            or state.high_precision or type(state.quantizer) is not NVFP4GemmQuantizer:
         return None
-    gen = state.sr_generator(x2d.device)
+    device = x2d.device
+    # (torch.cuda.current_device() and is_current_stream_capturing() without their Python wrappers:
+    # this runs on every eager call, before its first kernel)
+    if device.index != torch._C._cuda_getDevice() or torch._C._cuda_isCurrentStreamCapturing():
+        return None
+    gen = state.sr_generator(device)
     return gen if isinstance(gen, SRStream) else None
 
 
