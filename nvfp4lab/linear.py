@@ -125,9 +125,10 @@ class NVFP4GemmQuantizer:
 
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
                       generator: "torch.Generator | SRStream | None" = None, values: tuple[bool, bool] = (False, False),
-                      col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None):
+                      col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+                      amax_out: torch.Tensor | None = None):
         return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False,
-                                           col_out=col_out)
+                                           col_out=col_out, amax_out=amax_out)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -270,7 +271,8 @@ def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role
 
 
 def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, str],
-                   col: tuple[str, str, str] | None, values: tuple[bool, bool], col_out: tuple | None = None):
+                   col: tuple[str, str, str] | None, values: tuple[bool, bool], col_out: tuple | None = None,
+                   amax_out: torch.Tensor | None = None):
     """Both copies of ``x2d`` from the quantizer's ``quantize_pair`` (None if it has none or declines).
 
     ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies. ``values``: ask
@@ -278,6 +280,7 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
     uses at once, not for those saved for the backward pass (which stay packed, 4.5 bits a value).
     ``col_out``: (data, scale, amax) for the columnwise copy to be written into (only the default
     quantizer's ``quantize_pair`` takes it: the packed forward runs only with it), or None.
+    ``amax_out``: a zeroed float32 [2] buffer for the pair's amax kernel (same condition), or None.
     """
     pair_fn = getattr(state.quantizer, "quantize_pair", None)
     if pair_fn is None:
@@ -289,8 +292,8 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
         gen = state.sr_generator(x2d.device)
         if _OBSERVERS:
             rng_state = gen.get_state()
-    pair = (pair_fn(x2d, row_opts, col_opts, generator=gen, values=values) if col_out is None
-            else pair_fn(x2d, row_opts, col_opts, generator=gen, values=values, col_out=col_out))
+    given = {k: v for k, v in (("col_out", col_out), ("amax_out", amax_out)) if v is not None}
+    pair = pair_fn(x2d, row_opts, col_opts, generator=gen, values=values, **given)
     if pair is None:
         return None
     if _OBSERVERS:
@@ -333,14 +336,17 @@ def _copy_shapes(state: _LayerState, M: int, K: int, N: int) -> tuple[tuple[int,
 
 def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
            need_dgrad: bool, need_wgrad: bool, out_y: torch.Tensor | None = None,
-           out_saved: tuple[tuple | None, tuple | None] = (None, None)):
+           out_saved: tuple[tuple | None, tuple | None] = (None, None),
+           amax_out: tuple[torch.Tensor | None, torch.Tensor | None] = (None, None)):
     """The forward: ``(Y [M, N], Xᵀ copy or None, Wᵀ copy or None)``, the copies quantized now for
     the backward, as TE does. Shared by the autograd function (eager) and the custom op (compile).
     ``out_y``: where the Fprop GEMM writes Y (only with the default quantizer, whose ``matmul``
     takes ``out``; the layer's CUDA graphs use it), or None for a new tensor. ``out_saved``:
     (data, scale, amax) where the kernels write the Xᵀ and the Wᵀ copy (for a 2D Wᵀ also its
     values: :func:`_saved_layout`; :func:`_fprop_packed`'s buffer; same condition), each or both
-    None for new tensors; a path that makes its copies otherwise returns new tensors all the same."""
+    None for new tensors; a path that makes its copies otherwise returns new tensors all the same.
+    ``amax_out``: zeroed float32 [2] buffers for the X and the W pair's amax kernels (same
+    condition), each or both None."""
     M, K = x2d.shape
     N = weight.shape[0]
     if M == 0:
@@ -351,10 +357,10 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     out_xt, out_wt = out_saved
     px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
                         ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False),
-                        out_xt if need_wgrad else None)
+                        out_xt if need_wgrad else None, amax_out[0] if need_wgrad else None)
     pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
                         ("dgrad", "wt", "weight_columnwise") if need_dgrad else None, (True, False),
-                        out_wt if need_dgrad else None) if px else None
+                        out_wt if need_dgrad else None, amax_out[1] if need_dgrad else None) if px else None
     if px is not None and pw is not None:
         (qx, qxt), (qw, qwt) = px, pw
     else:
@@ -534,8 +540,10 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
     transpose of the Fprop operand's values, which the forward's kernel writes there and the Dgrad
     GEMM reads, instead of decoding Wᵀ again in the backward), each empty when not needed — in one
     uint8 buffer, the buffer's size in bytes). Codes, scales and values start at multiples of
-    ``_PACK_ALIGN`` bytes (what the kernels that write them there need); the two float32 amaxes
-    follow them, side by side."""
+    ``_PACK_ALIGN`` bytes (what the kernels that write them there need); the amaxes follow them in
+    the last ``_AMAX_BYTES``: the X pair's amax buffer (rowwise, columnwise) at its start and the W
+    pair's 16 bytes further, where the forward's amax kernels accumulate (:func:`_fprop_packed`);
+    each saved amax is the one of its pair's two that the columnwise copy uses."""
     (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
     meta = []
     for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
@@ -549,13 +557,26 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
     two_d = need_dgrad and M > 0 and state.recipe.quantize_options("weight_columnwise")["block"] == "2d"
     meta.append(((nw, kw) if two_d else (0,), torch.bfloat16))
     layout, off = [None] * 7, 0
-    for i in (0, 1, 3, 4, 6, 2, 5):   # the two 4-byte amaxes last, side by side: one padding tail
+    for i in (0, 1, 3, 4, 6):
         shape, dtype = meta[i]
         layout[i] = (off, shape, dtype)
-        off += math.prod(shape) * dtype.itemsize
-        if i not in (2, 5):
-            off = -(-off // _PACK_ALIGN) * _PACK_ALIGN
-    return tuple(layout), -(-off // _PACK_ALIGN) * _PACK_ALIGN
+        off = -(-(off + math.prod(shape) * dtype.itemsize) // _PACK_ALIGN) * _PACK_ALIGN
+    for i, pair, role in ((2, 0, "input_columnwise"), (5, 16, "weight_columnwise")):
+        opts = state.recipe.quantize_options(role)
+        column = 4 if opts["rht"] and opts["block"] != "2d" else 0   # the kernels' columnwise amax: [1] after an RHT
+        layout[i] = (off + pair + column, *meta[i])
+    return tuple(layout), off + _PACK_ALIGN   # the amaxes: the first _AMAX_BYTES of the last _PACK_ALIGN
+
+
+#: Bytes of the forward's two amax buffers, at the start of the saved buffer's last ``_PACK_ALIGN``
+#: bytes: X's float32 [2] at 0, W's at 16 (16-byte aligned, as the amax kernels' buffers are).
+_AMAX_BYTES = 32
+
+
+def _amax_buffers(saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The X pair's and the W pair's float32 [2] amax buffers in the saved buffer (:func:`_saved_layout`)."""
+    region = saved[saved.numel() - _PACK_ALIGN:][:_AMAX_BYTES].view(torch.float32)
+    return region[0:2], region[4:6]
 
 
 def _in_buffer(buf: torch.Tensor, off: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -580,11 +601,15 @@ def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, b
                 saved[end:start].zero_()   # padding bytes defined: reproducible
     views = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
     values_t = views[6].t() if views[6].numel() else None   # Wᵀ's values [K, N]
+    # the amax kernels accumulate straight into the buffer: one fill for both pairs, no copies
+    amax_x, amax_w = _amax_buffers(saved)
+    saved[saved.numel() - _PACK_ALIGN:][:_AMAX_BYTES].zero_()
     # the kernels write the copies straight into the buffer; any other path's copies are copied in
     out_xt = tuple(views[0:3]) if views[0].numel() else None
     out_wt = (tuple(views[3:6]) + ((values_t,) if values_t is not None else ())) if views[3].numel() else None
     with torch.autocast(device_type=x2d.device.type, enabled=False):
-        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y, (out_xt, out_wt))
+        y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y, (out_xt, out_wt),
+                             (amax_x, amax_w))
     parts = [t for q in (qxt, qwt) for t in ((q.data, q.scale, q.amax) if q is not None else (None,) * 3)]
     if values_t is not None and qwt is not None:
         parts.append(qwt.block_values(torch.bfloat16))

@@ -790,6 +790,7 @@ def quantize_rowwise_columnwise(
     values: tuple[bool, bool] = (False, False),
     fallback: bool = True,
     col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
+    amax_out: torch.Tensor | None = None,
 ) -> tuple[NVFP4Tensor, NVFP4Tensor | None] | None:
     """The rowwise and the columnwise NVFP4 copies of ``x`` a training step needs.
 
@@ -827,6 +828,11 @@ def quantize_rowwise_columnwise(
             (with 2D blocks the transpose of the rowwise copy's): the kernels write them there
             (with ``values[0]``), else they are decoded into it; both copies' ``values_bf16``
             are then views of it.
+        amax_out: a zeroed, contiguous, 16-byte aligned ``float32 [2]`` tensor for the kernels'
+            amax pass to accumulate into (``[0]`` rowwise, ``[1]`` columnwise amax), or None:
+            the copies' ``amax`` are then views of it (a ``col_out`` amax that is already the
+            right view is not copied into). Used only where the kernels run
+            (:func:`nvfp4lab.kernels.quantize_rowwise_columnwise`).
 
     Raises:
         What :func:`quantize` raises, for either copy.
@@ -869,9 +875,11 @@ def quantize_rowwise_columnwise(
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
         generator=generator, values=(bool(values[0]), bool(values[1])),
-        col_out=None if col_out is None else col_out[:2], values_out=None if values_t is None else values_t.t())
+        col_out=None if col_out is None else col_out[:2], values_out=None if values_t is None else values_t.t(),
+        amax_out=amax_out)
     if col_out is not None:
-        st, amt = col_out[1].view(torch.float8_e4m3fn), col_out[2].copy_(amt)
+        st = col_out[1].view(torch.float8_e4m3fn)
+        amt = col_out[2] if col_out[2].data_ptr() == amt.data_ptr() else col_out[2].copy_(amt)
     M, K = math.prod(x.shape[:-1]), x.shape[-1]
     if values_t is not None:
         if v is None:   # the kernel that ran wrote no values: decode them into the given tensor

@@ -258,6 +258,29 @@ def test_pair_writes_the_columnwise_copy_into_given_tensors(block, rht):
         quantize_rowwise_columnwise(x, row, None, col_out=good)
 
 
+@pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
+def test_pair_accumulates_its_amaxes_into_a_given_buffer(block, rht):
+    """``amax_out``: the amax kernel accumulates into the caller's zeroed float32 [2] (rowwise amax at
+    [0], the columnwise copy's at [1] after an RHT, else [0]); both copies' ``amax`` are views of it,
+    a ``col_out`` amax that already is that view is not copied into, and the copies are bit-equal to
+    a pair made with the kernels' own buffer. A buffer of another dtype or shape is refused by name."""
+    x = _x((48, 64), torch.bfloat16, seed=7)
+    row, col = dict(block=block), dict(block=block, rht=rht)
+    fresh = quantize_rowwise_columnwise(x, row, col)
+    buf = torch.zeros(4)[:2]
+    column = 1 if rht else 0
+    srows = 4 if block == "2d" else 64
+    out = (torch.empty(64, 24, dtype=torch.uint8), torch.empty(srows, 3, dtype=torch.float8_e4m3fn), buf[column])
+    q_row, q_col = quantize_rowwise_columnwise(x, row, col, col_out=out, amax_out=buf)
+    assert_nvfp4_equal(q_row, fresh[0])
+    assert_nvfp4_equal(q_col, fresh[1])
+    assert q_row.amax.data_ptr() == buf.data_ptr() and q_col.amax.data_ptr() == buf[column].data_ptr()
+    assert torch.equal(buf[0], fresh[0].amax) and torch.equal(buf[column], fresh[1].amax)
+    for bad in (torch.zeros(2, dtype=torch.float64), torch.zeros(3)):
+        with pytest.raises(ValueError, match="amax_out"):
+            quantize_rowwise_columnwise(x, row, col, amax_out=bad)
+
+
 @pytest.mark.parametrize("values", [(True, False), (False, False)], ids=["written", "decoded"])
 def test_pair_writes_2d_values_into_a_given_tensor(values):
     """With 2D blocks ``col_out`` may carry a fourth tensor, ``bfloat16 [K, M]`` (the transpose of a

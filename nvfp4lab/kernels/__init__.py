@@ -607,7 +607,8 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
          on_amax: Callable[[torch.Tensor], Any] | None = None,
-         col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None):
+         col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
+         amax_out: torch.Tensor | None = None):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
@@ -616,7 +617,9 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     (the columnwise one without ``row``) once the amax kernel is launched, when it runs.
     ``col_out``: (codes, scales as uint8) for the columnwise copy to be written into, checked by
     :func:`check_col_out`, or None for new tensors. ``values_out``: a contiguous BF16 [M, K] tensor
-    for the rowwise values (with ``values[0]``) to be written into, or None for a new one."""
+    for the rowwise values (with ``values[0]``) to be written into, or None for a new one.
+    ``amax_out``: a zeroed float32 [2] tensor the amax kernel accumulates into (as
+    :func:`_amax_buffer`'s), or None for one of the pool's."""
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
@@ -628,7 +631,10 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     need_col_amax = col and not block2d and amax_col is None
     # amax buffers: [0] rowwise, [1] columnwise (post-RHT); without RHT both are max|x|. Zeroed (a
     # slot of the pool) only when the amax kernel accumulates into them (else a dummy pointer)
-    buf = _amax_buffer(dev) if (need_row_amax or need_col_amax) else torch.empty(2, dtype=torch.float32, device=dev)
+    if need_row_amax or need_col_amax:
+        buf = _amax_buffer(dev) if amax_out is None else amax_out
+    else:
+        buf = torch.empty(2, dtype=torch.float32, device=dev)
     i64 = _i64(x2)
     if need_row_amax or need_col_amax:
         do_row = need_row_amax or (need_col_amax and not col_rht)
@@ -833,6 +839,7 @@ def quantize_rowwise_columnwise(
     generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
     amax_t: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
     col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
     """Both NVFP4 copies a training step needs from ``x`` [..., K], one read of ``x`` per kernel.
 
@@ -854,6 +861,11 @@ def quantize_rowwise_columnwise(
             values are written into (with ``values[0]``; with ``block2d`` the columnwise values are
             its transpose), or None for a new one. Where the kernel that runs writes no values the
             result's ``values`` is None and ``values_out`` is left as it was.
+        amax_out: a zeroed, contiguous, 16-byte aligned ``float32 [2]`` tensor on ``x``'s device the
+            amax kernel accumulates into (``[0]`` rowwise, ``[1]`` columnwise post-RHT amax; the
+            results' amaxes are views of it), or None for a buffer of the kernels' own: a caller
+            that keeps the amaxes in a buffer of its own, zeroed once for several pairs, saves the
+            fills and copies. Not read when both amaxes are given.
 
     Returns:
         ``(data, scale, amax, data_t, scale_t, amax_t, values, values_t)``: as
@@ -862,7 +874,7 @@ def quantize_rowwise_columnwise(
         ``None``.
 
     Raises:
-        ValueError: ``col_out`` or ``values_out`` is not as described.
+        ValueError: ``col_out``, ``values_out`` or ``amax_out`` is not as described.
     """
     x2 = _as_2d(x)
     if x2.stride(1) != 1 and x2.stride(0) == 1:
@@ -877,10 +889,16 @@ def quantize_rowwise_columnwise(
                else type(values_out).__name__)
         raise ValueError(f"values_out must be a contiguous, 16-byte aligned bfloat16 {tuple(x2.shape)} tensor on "
                          f"{x2.device}, got {got}")
+    if amax_out is not None and (not isinstance(amax_out, torch.Tensor) or amax_out.dtype != torch.float32
+                                 or tuple(amax_out.shape) != (2,) or not amax_out.is_contiguous()
+                                 or amax_out.device != x2.device or amax_out.data_ptr() % 16):
+        got = ((amax_out.dtype, tuple(amax_out.shape), amax_out.device) if isinstance(amax_out, torch.Tensor)
+               else type(amax_out).__name__)
+        raise ValueError(f"amax_out must be a contiguous, 16-byte aligned float32 (2,) tensor on {x2.device}, got {got}")
     d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
         generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
-        col_out=col_out, values_out=values_out)
+        col_out=col_out, values_out=values_out, amax_out=amax_out)
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     return d, s, am, dt, st, amt, v, vt
