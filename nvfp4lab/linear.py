@@ -573,10 +573,10 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
 _AMAX_BYTES = 32
 
 
-def _amax_buffers(saved: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The X pair's and the W pair's float32 [2] amax buffers in the saved buffer (:func:`_saved_layout`)."""
-    region = saved[saved.numel() - _PACK_ALIGN:][:_AMAX_BYTES].view(torch.float32)
-    return region[0:2], region[4:6]
+def _amax_region(saved: torch.Tensor) -> torch.Tensor:
+    """The saved buffer's amaxes as float32 [8] (:func:`_saved_layout`): ``[0:2]`` the X pair's amax
+    buffer, ``[4:6]`` the W pair's."""
+    return saved[saved.numel() - _PACK_ALIGN:][:_AMAX_BYTES].view(torch.float32)
 
 
 def _in_buffer(buf: torch.Tensor, off: int, shape: tuple, dtype: torch.dtype) -> torch.Tensor:
@@ -602,14 +602,13 @@ def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, b
     views = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
     values_t = views[6].t() if views[6].numel() else None   # Wᵀ's values [K, N]
     # the amax kernels accumulate straight into the buffer: one fill for both pairs, no copies
-    amax_x, amax_w = _amax_buffers(saved)
-    saved[saved.numel() - _PACK_ALIGN:][:_AMAX_BYTES].zero_()
+    amaxes = _amax_region(saved).zero_()
     # the kernels write the copies straight into the buffer; any other path's copies are copied in
     out_xt = tuple(views[0:3]) if views[0].numel() else None
     out_wt = (tuple(views[3:6]) + ((values_t,) if values_t is not None else ())) if views[3].numel() else None
     with torch.autocast(device_type=x2d.device.type, enabled=False):
         y, qxt, qwt = _fprop(state, x2d, weight, bias, need_dgrad, need_wgrad, out_y, (out_xt, out_wt),
-                             (amax_x, amax_w))
+                             (amaxes[0:2], amaxes[4:6]))
     parts = [t for q in (qxt, qwt) for t in ((q.data, q.scale, q.amax) if q is not None else (None,) * 3)]
     if values_t is not None and qwt is not None:
         parts.append(qwt.block_values(torch.bfloat16))
