@@ -378,6 +378,11 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
         qwt = _quantize(state, "dgrad", "wt", weight.t().contiguous(), "weight_columnwise") if need_dgrad else None
         qxt = (_quantize(state, "wgrad", "xt", _columnwise(x2d, not state.recipe.disable_rht), "input_columnwise")
                if need_wgrad else None)
+        for buf, q_row, q_col, role in ((amax_out[0], qx, qxt, "input_columnwise"),
+                                        (amax_out[1], qw, qwt, "weight_columnwise")):
+            if buf is not None and q_col is not None:   # the pair's amaxes where its kernels put them
+                buf[0].copy_(q_row.amax)
+                buf[_column_slot(state, role)].copy_(q_col.amax)
     return _matmul(state, qx, qw, x2d.dtype, bias, out_y), qxt, qwt   # Fprop
 
 
@@ -562,10 +567,15 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
         layout[i] = (off, shape, dtype)
         off = -(-(off + math.prod(shape) * dtype.itemsize) // _PACK_ALIGN) * _PACK_ALIGN
     for i, pair, role in ((2, 0, "input_columnwise"), (5, 16, "weight_columnwise")):
-        opts = state.recipe.quantize_options(role)
-        column = 4 if opts["rht"] and opts["block"] != "2d" else 0   # the kernels' columnwise amax: [1] after an RHT
-        layout[i] = (off + pair + column, *meta[i])
+        layout[i] = (off + pair + 4 * _column_slot(state, role), *meta[i])
     return tuple(layout), off + _PACK_ALIGN   # the amaxes: the first _AMAX_BYTES of the last _PACK_ALIGN
+
+
+def _column_slot(state: _LayerState, role: str) -> int:
+    """Where a pair's amax buffer holds the columnwise copy's amax: ``[1]`` after an RHT (its own,
+    post-RHT amax), else ``[0]``, the rowwise one (the same value), as the kernels write it."""
+    opts = state.recipe.quantize_options(role)
+    return 1 if opts["rht"] and opts["block"] != "2d" else 0
 
 
 #: Bytes of the forward's two amax buffers, at the start of the saved buffer's last ``_PACK_ALIGN``
