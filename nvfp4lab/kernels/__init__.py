@@ -827,11 +827,17 @@ def check_col_out(col_out: tuple[torch.Tensor, torch.Tensor], x2: torch.Tensor, 
     if not (isinstance(col_out, (tuple, list)) and len(col_out) == 2):
         raise ValueError("col_out must be a pair (codes, block scales)")
     for name, t, (shape, dtypes) in zip(("codes", "block scales"), col_out, want):
-        if (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape or t.dtype not in dtypes
-                or not t.is_contiguous() or t.device != x2.device or t.data_ptr() % 16):
-            got = (t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else type(t).__name__
-            raise ValueError(f"col_out {name} must be a contiguous, 16-byte aligned {shape} tensor of "
-                             f"{' or '.join(map(str, dtypes))} on {x2.device}, got {got}")
+        _check_out(f"col_out {name}", t, shape, dtypes, x2.device)
+
+
+def _check_out(name: str, t: Any, shape: tuple, dtypes: tuple, device: torch.device) -> None:
+    """Raise ValueError naming ``name`` unless ``t`` is a contiguous, 16-byte aligned tensor of
+    ``shape``, one of ``dtypes``, on ``device``: a tensor the kernels can write into."""
+    if (not isinstance(t, torch.Tensor) or tuple(t.shape) != tuple(shape) or t.dtype not in dtypes
+            or not t.is_contiguous() or t.device != device or t.data_ptr() % 16):
+        got = (t.dtype, tuple(t.shape), t.device) if isinstance(t, torch.Tensor) else type(t).__name__
+        raise ValueError(f"{name} must be a contiguous, 16-byte aligned {tuple(shape)} tensor of "
+                         f"{' or '.join(map(str, dtypes))} on {device}, got {got}")
 
 
 def quantize_rowwise_columnwise(
@@ -882,19 +888,10 @@ def quantize_rowwise_columnwise(
     if col_out is not None:
         check_col_out(col_out, x2, block2d)
         col_out = (col_out[0], col_out[1].view(torch.uint8))
-    if values_out is not None and (not isinstance(values_out, torch.Tensor) or values_out.dtype != torch.bfloat16
-                                   or tuple(values_out.shape) != tuple(x2.shape) or not values_out.is_contiguous()
-                                   or values_out.device != x2.device or values_out.data_ptr() % 16):
-        got = ((values_out.dtype, tuple(values_out.shape), values_out.device) if isinstance(values_out, torch.Tensor)
-               else type(values_out).__name__)
-        raise ValueError(f"values_out must be a contiguous, 16-byte aligned bfloat16 {tuple(x2.shape)} tensor on "
-                         f"{x2.device}, got {got}")
-    if amax_out is not None and (not isinstance(amax_out, torch.Tensor) or amax_out.dtype != torch.float32
-                                 or tuple(amax_out.shape) != (2,) or not amax_out.is_contiguous()
-                                 or amax_out.device != x2.device or amax_out.data_ptr() % 16):
-        got = ((amax_out.dtype, tuple(amax_out.shape), amax_out.device) if isinstance(amax_out, torch.Tensor)
-               else type(amax_out).__name__)
-        raise ValueError(f"amax_out must be a contiguous, 16-byte aligned float32 (2,) tensor on {x2.device}, got {got}")
+    if values_out is not None:
+        _check_out("values_out", values_out, x2.shape, (torch.bfloat16,), x2.device)
+    if amax_out is not None:
+        _check_out("amax_out", amax_out, (2,), (torch.float32,), x2.device)
     d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
         generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
