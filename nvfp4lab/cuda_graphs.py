@@ -145,7 +145,8 @@ class GraphedCalls:
         self._owned: OrderedDict[Hashable, _Entry] = OrderedDict()   # by (sig, owner): the owned-outputs tier
         self._owned_captures = 0
         self._owned_failed: set[Hashable] = set()
-        self._owned_moves: dict[Hashable, dict[int, int]] = {}   # by (sig, owner): captures per moved steady input
+        # by (sig, owner): captures for the moves of each steady input (by index) and of the SR streams ("streams")
+        self._owned_moves: dict[Hashable, dict[int | str, int]] = {}
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
