@@ -806,12 +806,17 @@ def test_launch_signature_separates_what_triton_specialises_on():
 
 
 
-def _rht_amax(x):
-    """The columnwise RHT copy's amax bits of ``x`` [M, K] (bf16), through the kernels (the 16-slice
-    amax pass) or, with the kernels off, the reference."""
+def _rht_copy(x):
+    """The columnwise RHT copy of ``x`` [M, K] (bf16), through the kernels (the 16-slice amax pass
+    and quantize kernel) or, with the kernels off, the reference."""
     copies = pair(x, rht=True) if kernels.available(x.device) else ref(
         quantize_rowwise_columnwise, x, dict(block="1d"), dict(block="1d", rht=True))
-    return copies[1].amax.view(torch.int32)
+    return copies[1]
+
+
+def _rht_amax(x):
+    """The columnwise RHT copy's amax bits of ``x`` (:func:`_rht_copy`)."""
+    return _rht_copy(x).amax.view(torch.int32)
 
 
 def test_rht_is_exact_where_an_fp32_butterfly_is_not():
@@ -819,7 +824,8 @@ def test_rht_is_exact_where_an_fp32_butterfly_is_not():
     the reference's post-RHT amax bit for bit on blocks built to sit at a BF16 rounding boundary
     (:func:`nvfp4lab.testing.rht_rounding_boundary_block`), where an FP32 butterfly
     (``rht_f64=False``) is wrong in most of them, and on Inf, overflow, outputs in FP32's subnormal
-    range and wide-range inputs; a NaN propagates to the amax. (BF16 subnormal *inputs* are left to
+    range and wide-range inputs; the finite ones give the reference's codes and scales too (the
+    kernel scales by 1/4 after rounding to FP32); a NaN propagates to the amax. (BF16 subnormal *inputs* are left to
     ``tests/gpu``: Triton 3.6's interpreter converts them to FP32 wrongly, 1.0102e-39 -> 4.4081e-39.)"""
     g = torch.Generator().manual_seed(0)
     wrong_fp32 = 0
@@ -827,8 +833,9 @@ def test_rht_is_exact_where_an_fp32_butterfly_is_not():
         x = rht_rounding_boundary_block(g, columns=8 if i % 4 else 256)
         if i % 4 == 0:   # whole tiles of the amax pass: its unmasked fallback
             x = torch.cat([torch.zeros_like(x), x])
-        want = ref(_rht_amax, x)
-        assert torch.equal(_rht_amax(x), want)
+        want = ref(_rht_copy, x)
+        assert_nvfp4_equal(_rht_copy(x), want, msg=f"boundary blocks {i}")
+        want = want.amax.view(torch.int32)
         with kernels.use_options(rht_f64=False):
             wrong_fp32 += not torch.equal(_rht_amax(x), want)
     assert wrong_fp32 >= 3, "the blocks no longer separate an exact butterfly from an FP32 one"
@@ -841,11 +848,13 @@ def test_rht_is_exact_where_an_fp32_butterfly_is_not():
         y = torch.randn(32, 16, generator=g)
         y[5, 3] = v
         specials.append(y)
-    for x in specials:
+    for k, x in enumerate(specials):
         x = x.to(torch.bfloat16)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)   # ±Inf input
             assert torch.equal(_rht_amax(x), ref(_rht_amax, x)), x.flatten()[:4]
+        if k < 3:   # the finite ones: the whole copy
+            assert_nvfp4_equal(_rht_copy(x), ref(_rht_copy, x), msg=f"special input {k}")
     y = torch.randn(32, 16, generator=g)
     y[5, 3] = float("nan")                                # the reference refuses NaN; the pass propagates it
     assert torch.isnan(_rht_amax(y.to(torch.bfloat16)).view(torch.float32))
