@@ -13,11 +13,10 @@ Measured side by side in one run on one device and written with provenance to
 2. ``linear``: ``NVFP4Linear`` forward+backward (the paper's recipe: RHT, SR gradients, 2D weights)
    against BF16 ``nn.Linear`` in the same mode: eager, ``torch.compile`` and captured in the
    user's own CUDA graph, at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape (768 -> 2304).
-   NVFP4 eager four times: replayed from the layer's own graphs (``eager``, the default,
+   NVFP4 eager three times: replayed from the layer's own graphs (``eager``, the default,
    ``KernelOptions.layer_graphs``, outputs owned by each layer's graph), with its kernels launched
-   one by one (``eager_no_graphs``), with every output copied out of a graph shared by the layers
-   of one shape (``eager_copy_out``, ``layer_graphs_owned_outputs=False``) and from graphs that
-   read the inputs in place (``eager_in_place``, ``layer_graphs_in_place``).
+   one by one (``eager_no_graphs``) and with every output copied out of a graph shared by the
+   layers of one shape (``eager_copy_out``, ``layer_graphs_owned_outputs=False``).
 3. ``training`` (unless ``--skip-training``): steady-state tokens/s of ``nvfp4lab.train`` on the
    ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager (NVFP4 also without the
    layer graphs), ``compile`` (NVFP4 also with its layer graphs' outputs copied out,
@@ -131,11 +130,10 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
     One mode after the other (eager first: compiling leaves state behind that slows later eager
     calls of the same process), each in ``rounds`` rounds that time BF16 and right after it NVFP4,
     so that the two sides of a ratio are measured back to back (the GPU's clocks and the host's
-    state drift between rounds). NVFP4 without its layer graphs (``eager_no_graphs``), with their
-    outputs copied out (``eager_copy_out``) and with their in-place tier (``eager_in_place``) is
-    paired with BF16 eager timed again in that mode's rounds (BF16 has none of these: its figures
-    under those names are eager ones). ``ms`` are the medians over the rounds, ``vs_bf16`` the medians of the rounds'
-    ratios, with their spread."""
+    state drift between rounds). NVFP4 without its layer graphs (``eager_no_graphs``) and with their
+    outputs copied out (``eager_copy_out``) is paired with BF16 eager timed again in that mode's
+    rounds (BF16 has neither: its figures under those names are eager ones). ``ms`` are the
+    medians over the rounds, ``vs_bf16`` the medians of the rounds' ratios, with their spread."""
     rows = []
     for M, K, N in shapes:
         x = torch.randn(M, K, device=device, dtype=torch.bfloat16, requires_grad=True)
@@ -152,8 +150,7 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
                 return lambda: bench_ms(graph.replay, device)
             step = _fwd_bwd(torch.compile(layer) if mode == "compile" else layer, x, gy)
             opts = {"eager_no_graphs": dict(layer_graphs=False),
-                    "eager_copy_out": dict(layer_graphs_owned_outputs=False),
-                    "eager_in_place": dict(layer_graphs_in_place=True)}.get(mode, {})
+                    "eager_copy_out": dict(layer_graphs_owned_outputs=False)}.get(mode, {})
             opts = opts if name.startswith("nvfp4") else {}
 
             def eager() -> float:
@@ -161,7 +158,7 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
                     return median_ms(step, device, iters=20, warmup=3)
             return eager
 
-        modes = ["eager", "eager_no_graphs", "eager_copy_out", "eager_in_place", "compile"]
+        modes = ["eager", "eager_no_graphs", "eager_copy_out", "compile"]
         modes += ["captured"] if device == "cuda" else []
         times: dict[str, dict[str, list[float]]] = {name: {} for name in make}
         torch._dynamo.reset()

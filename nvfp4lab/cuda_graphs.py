@@ -10,39 +10,35 @@ change, the stochastic-rounding stream, is a device tensor advanced in place
 signature and replayed:
 
 1. the first call with a signature runs the function directly (it compiles the Triton kernels);
-2. where the caller asks for it (``in_place``; for the layer ``KernelOptions.layer_graphs_in_place``,
-   off by default), a call whose inputs (and SR stream states) have sat at the same addresses for
-   a few calls in a row replays an *in-place* graph: it reads the inputs and advances the streams
-   where they are and writes outputs of its own, which the call returns without a copy. A replay
-   would overwrite what the previous replay returned, so it runs only once no caller holds those
-   outputs any more (their storages' use counts, as ``torch.compile``'s CUDA graph trees track
-   ownership); the outputs stay allocated while the graph is kept, one graph per caller;
-3. otherwise a *copying* graph per signature, captured at its second call with private twins of
-   the SR streams (layers of one shape and recipe share it, whatever their streams): every call
-   copies its inputs into the graph's static buffers, each stream's state into its twin, replays,
-   copies the advanced state back and returns copies of the static outputs (inputs and outputs
-   each in one multi-tensor copy);
-4. where the caller names itself (``owner``; for the layer ``KernelOptions.layer_graphs_owned_outputs``,
-   on by default), the inputs are copied in as in 3, but the replay is of a graph of the caller's
-   own, reading those static inputs and writing outputs it owns, returned without a copy out
-   whenever no one holds the caller's previous outputs (in training, by a layer's next call the
-   backward has consumed them); otherwise 3. Inputs the caller names as steady (``steady``: for
-   the layer all of them: X, the weight and the bias; dY and the buffer its forward's graph owns)
-   are read where they are by that graph, not copied, while they stay at the addresses it was
-   captured with (an input that moves gets a new capture a few times; after that it is copied),
-   and the SR streams are advanced in place, as in 2.
+2. then a *copying* graph per signature, captured at its second call with private twins of the SR
+   streams (layers of one shape and recipe share it, whatever their streams): every call copies
+   its inputs into the graph's static buffers, each stream's state into its twin, replays, copies
+   the advanced state back and returns copies of the static outputs (inputs and outputs each in
+   one multi-tensor copy);
+3. where the caller names itself (``owner``; for the layer ``KernelOptions.layer_graphs_owned_outputs``,
+   on by default), the replay is of an *owned* graph of the caller's own instead. Inputs the caller
+   names as steady (``steady``: for the layer all of them: X, the weight and the bias; dY and the
+   buffer its forward's graph owns) are read where they are by that graph, not copied, while they
+   stay at the addresses it was captured with (an input that moves gets a new capture a few times;
+   after that it is copied in like the others, into the copying graph's static buffers, which the
+   graph reads), and the SR streams are read and advanced where they are, not through twins. It
+   writes outputs it owns, which the call returns without a copy out. A replay would overwrite
+   what the previous replay returned, so it runs only once no caller holds those outputs any more
+   (their storages' use counts, as ``torch.compile``'s CUDA graph trees track ownership; in
+   training, by a layer's next call the backward has consumed them); otherwise the copies of 2.
+   The outputs stay allocated while the graph is kept, one graph per caller and signature.
    A caller that passes the same tensors call after call, or whose allocator hands out the same
-   addresses step after step, pays no copy in; one whose activations keep moving pays as in 3.
+   addresses step after step, pays no copy in; one whose activations keep moving pays as in 2.
 
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
-The price: one capture per signature (and per input addresses, or per owner), the in-place and
+The price: one capture per signature (and per owner, with a few more for inputs that move), the
 owned graphs' outputs kept between calls, and in the copying tier a copy of every input and output.
 This is what ``torch.compile``'s ``mode="reduce-overhead"`` (CUDA graph trees) does for a whole
 model, here for one function.
 
 Graphs replayed on one CUDA stream share one memory pool: their intermediates are dead once a
-replay's outputs are cloned (copying tier) or written to the in-place graph's own outputs, which
+replay's outputs are cloned (copying tier) or written to the owned graph's own outputs, which
 live outside the pool; one stream runs one replay at a time.
 """
 
@@ -88,31 +84,18 @@ class _Entry:
 
     def __init__(self, graph, inputs, outputs, twins, keep, refs=(), reads=(), draws=None) -> None:
         self.graph, self.inputs, self.outputs, self.twins, self.keep = graph, inputs, outputs, twins, keep
-        # in place: a weak reference to each output's storage and its use count while only the entry
+        # owned tier: a weak reference to each output's storage and its use count while only the entry
         # holds it (more means a caller still holds the output the last replay returned)
         self.refs = refs
-        # owned tier: (index, address) of each input the graph reads where it is rather than from
+        # also: (index, address) of each input the graph reads where it is rather than from
         # the copying graph's static buffer; the addresses of the SR streams it draws from and
         # advances where they are (None: it draws from its twins)
         self.reads = reads
         self.draws = draws
 
     def outputs_free(self) -> bool:
-        """Whether no caller holds an output of this entry's last replay (in-place entries)."""
+        """Whether no caller holds an output of this entry's last replay (owned entries)."""
         return all(torch._C._storage_Use_Count(ref.cdata) <= base for ref, base in self.refs)
-
-
-class _Owner:
-    """The in-place tier's record of one caller (a layer and a direction): the key of its graph (or
-    None), how many captures it has made, the input addresses of its last call and how many calls
-    in a row it has made with them."""
-    __slots__ = ("graph_key", "captures", "last_key", "streak")
-
-    def __init__(self) -> None:
-        self.graph_key: Hashable | None = None
-        self.captures = 0
-        self.last_key: Hashable | None = None
-        self.streak = 0
 
 
 class GraphedCalls:
@@ -126,22 +109,20 @@ class GraphedCalls:
             ``RuntimeWarning``; :meth:`clear` starts again.
         capture_after: calls of a signature run directly before it is captured (>= 1: the first
             call compiles the kernels outside any capture).
-        max_in_place: in-place graphs kept (least recently used dropped first, with the outputs
-            they own); after ``2 * max_in_place`` captures no new one is made. 0 turns that tier off.
+        max_owned: owned graphs kept (least recently used dropped first, with the outputs they
+            own); after ``2 * max_owned`` captures, besides those for moved inputs, no new one is
+            made. 0 turns the owned tier off.
 
     Raises:
-        ValueError: ``max_entries < 1``, ``capture_after < 1`` or ``max_in_place < 0``.
+        ValueError: ``max_entries < 1``, ``capture_after < 1`` or ``max_owned < 0``.
     """
 
-    def __init__(self, max_entries: int = 64, capture_after: int = 1, max_in_place: int = 256) -> None:
-        if max_entries < 1 or capture_after < 1 or max_in_place < 0:
-            raise ValueError(f"GraphedCalls needs max_entries >= 1, capture_after >= 1 and max_in_place >= 0, got "
-                             f"{max_entries}, {capture_after}, {max_in_place}")
-        self.max_entries, self.capture_after, self.max_in_place = max_entries, capture_after, max_in_place
+    def __init__(self, max_entries: int = 64, capture_after: int = 1, max_owned: int = 256) -> None:
+        if max_entries < 1 or capture_after < 1 or max_owned < 0:
+            raise ValueError(f"GraphedCalls needs max_entries >= 1, capture_after >= 1 and max_owned >= 0, got "
+                             f"{max_entries}, {capture_after}, {max_owned}")
+        self.max_entries, self.capture_after, self.max_owned = max_entries, capture_after, max_owned
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._in_place: OrderedDict[Hashable, _Entry] = OrderedDict()   # by signature and input addresses
-        self._in_place_captures = 0
-        self._owners: dict[Hashable, _Owner] = {}   # by (sig, owner): the in-place tier's record of a caller
         self._owned: OrderedDict[Hashable, _Entry] = OrderedDict()   # by (sig, owner): the owned-outputs tier
         self._owned_captures = 0
         self._owned_failed: set[Hashable] = set()
@@ -157,16 +138,13 @@ class GraphedCalls:
         self._lock = threading.RLock()
 
     def __len__(self) -> int:
-        return len(self._entries) + len(self._in_place) + len(self._owned)
+        return len(self._entries) + len(self._owned)
 
     def clear(self) -> None:
         """Drop every graph and its static buffers, and forget the signatures seen (the capture
         streams, one per caller stream, are kept, and with them their cuBLAS workspaces)."""
         with self._lock:
             self._entries.clear()
-            self._in_place.clear()
-            self._in_place_captures = 0
-            self._owners.clear()
             self._owned.clear()
             self._owned_captures = 0
             self._owned_failed.clear()
@@ -177,7 +155,7 @@ class GraphedCalls:
             self._captures = 0
 
     def forget(self, owner: Hashable) -> None:
-        """Drop the graphs of ``owner`` (the name given as ``owner`` or ``in_place``) and the
+        """Drop the graphs of ``owner`` (the name given as ``owner``) and the
         outputs they keep: for a caller that is gone (a deleted layer), whose graphs would
         otherwise hold that memory until the least-recently-used rule drops them."""
         with self._lock:
@@ -185,15 +163,11 @@ class GraphedCalls:
                 del self._owned[who]
             for who in [w for w in self._owned_moves if w[1] == owner]:
                 del self._owned_moves[who]
-            for who in [w for w in self._owners if w[1] == owner]:
-                graph_key = self._owners.pop(who).graph_key
-                if graph_key is not None:
-                    self._in_place.pop(graph_key, None)
 
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
                  keep: Sequence[Any] = (), eligible: Callable[[], bool] | None = None,
-                 in_place: Hashable | None = None, owner: Hashable | None = None,
+                 owner: Hashable | None = None,
                  steady: Sequence[int] = ()) -> tuple[torch.Tensor, ...]:
         """``fn(*tensors, streams=streams)``, from a CUDA graph once the signature has been seen
         ``capture_after`` times.
@@ -212,17 +186,12 @@ class GraphedCalls:
             keep: objects held as long as the graph.
             eligible: asked once per signature, at its first call: False makes the signature
                 always run directly (for a ``fn`` that is pure only for some inputs).
-            in_place: a name for the caller (a layer and a direction), for a ``fn`` that also
-                takes ``out=`` (a tuple of tensors shaped as its outputs, which it writes and
-                returns, or None). Then a call whose inputs have stayed at the same addresses
-                replays a graph that reads them where they are and writes outputs that belong to
-                it, returned without a copy (:meth:`_call_in_place`); otherwise the copies above.
-                None: copies only.
-            owner: a name for the caller (a layer and a direction), for a ``fn`` that takes
-                ``out=`` as above: its calls copy their inputs in and, when no one holds the
-                outputs of its previous call any more, replay a graph of its own that writes
-                outputs it owns, returned without a copy (:meth:`_owned_entry`); otherwise the
-                copies above. None: no such graph.
+            owner: a name for the caller (a layer and a direction), for a ``fn`` that also takes
+                ``out=`` (a tuple of tensors shaped as its outputs, which it writes and returns, or
+                None): when no one holds the outputs of its previous call any more, its calls
+                replay a graph of its own that reads the ``steady`` inputs where they are (the
+                others copied in) and writes outputs it owns, returned without a copy
+                (:meth:`_owned_entry`); otherwise the copies above. None: no such graph.
             steady: indices of ``tensors`` that may stay at one address from call to call (a
                 layer's parameters; a buffer an owner's graph returned; activations a caller
                 passes again or that the allocator puts at the same place each step): the owner's
@@ -234,7 +203,7 @@ class GraphedCalls:
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns, or, from
-            an in-place graph, aliases of its own outputs, which it writes again only once the
+            an owner's graph, aliases of its own outputs, which it writes again only once the
             caller has dropped them.
             Bit-identical to ``fn(*tensors, streams=streams)``.
 
@@ -248,10 +217,6 @@ class GraphedCalls:
         sig = (key, *where, len(streams),
                tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
         with self._lock:
-            if in_place is not None and self.max_in_place:
-                done = self._call_in_place(fn, sig, tensors, streams, keep, where, in_place)
-                if done is not None:
-                    return done
             entry = self._entries.get(sig)
             if entry is None:
                 n = self._calls.get(sig, 0)
@@ -322,7 +287,7 @@ class GraphedCalls:
         captures a graph drawing from twins, as the copying graph does); it writes outputs
         allocated for it outside the graphs' pool, which the call returns as aliases (``detach()``).
         Its replay would overwrite what its previous replay returned, so it replays only once no
-        caller holds any of those outputs (storage use counts, as in :meth:`_call_in_place`); layers
+        caller holds any of those outputs (their storages' use counts, :meth:`_Entry.outputs_free`); layers
         of one shape each have their own graph, so in training an owner's outputs are free again by
         its next call (the previous step's backward has consumed them). Captured at the owner's first
         call once the copying graph exists, and again where a steady input it reads in place has
@@ -333,11 +298,11 @@ class GraphedCalls:
         for moved inputs writes into the outputs of the graph it replaces where no one holds them
         (they stay where they are: a graph that reads them in place, the backward's reading its
         forward's saved copies, needs no new capture).
-        At most :attr:`max_in_place` kept (least recently used dropped) and ``2 * max_in_place``
+        At most :attr:`max_owned` kept (least recently used dropped) and ``2 * max_owned``
         captured, besides the captures for moves (at most :attr:`OWNER_CAPTURES` per steady input
         and owner)."""
         who = (sig, owner)
-        moves = self._owned_moves.setdefault(who, {})   # by input index: captures for its moves
+        moves = self._owned_moves.get(who) or {}   # by input index: captures for its moves (none yet: {})
         own = self._owned.get(who)
         draws = tuple(s.data_ptr() for s in streams)
         moved = [] if own is None else [i for i, ptr in own.reads if tensors[i].data_ptr() != ptr]
@@ -348,24 +313,25 @@ class GraphedCalls:
             del self._owned[who]
             reuse = own.outputs if own.outputs_free() else None
             own = None
+            moves = self._owned_moves.setdefault(who, {})
             for i in moved:
                 moves[i] = moves.get(i, 0) + 1
         if own is None:
             # read in place: the steady inputs that have not used up their captures for moves
             reads = tuple((i, tensors[i].data_ptr()) for i in steady
                           if tensors[i] is not None and moves.get(i, 0) < self.OWNER_CAPTURES)
-            in_place = moves.get("streams", 0) < self.OWNER_CAPTURES
+            streams_in_place = moves.get("streams", 0) < self.OWNER_CAPTURES
             # (captures for moves are bounded per owner and input, the others in all)
-            if who in self._owned_failed or not self.max_in_place \
-                    or (not moved and self._owned_captures >= 2 * self.max_in_place):
+            if who in self._owned_failed or not self.max_owned \
+                    or (not moved and self._owned_captures >= 2 * self.max_owned):
                 return None
             self._owned_captures += not moved
-            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, where, reuse, in_place)
+            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, where, reuse, streams_in_place)
             if own is None:
                 self._owned_failed.add(who)
                 return None
             self._owned[who] = own
-            while len(self._owned) > self.max_in_place:
+            while len(self._owned) > self.max_owned:
                 self._owned.popitem(last=False)
         elif not own.outputs_free():
             return None
@@ -373,9 +339,9 @@ class GraphedCalls:
         return own
 
     def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, where,
-                       reuse: tuple | None = None, in_place: bool = True) -> _Entry | None:
-        in_place_at = {i for i, _ in reads}
-        inputs = [t if i in in_place_at else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
+                       reuse: tuple | None = None, streams_in_place: bool = True) -> _Entry | None:
+        read_at = {i for i, _ in reads}
+        inputs = [t if i in read_at else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
         before = [t.get_state() for t in twins]
         # the outputs: a direct call's on the inputs the graph reads (whatever the static buffers hold:
@@ -383,8 +349,8 @@ class GraphedCalls:
         # shows which are used. ``reuse``: outputs of the graph this one replaces, written again
         outputs = tuple(fn(*inputs, streams=twins) if reuse is None else fn(*inputs, streams=twins, out=reuse))
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
-        # the replays draw from the streams themselves, in place (``in_place``), or from the twins
-        draw = streams if in_place else twins
+        # the replays draw from the streams themselves, in place (``streams_in_place``), or from the twins
+        draw = streams if streams_in_place else twins
         done = self._capture_into(lambda: fn(*inputs, streams=draw, out=outputs), outputs, where,
                                   "these calls copy their outputs out")
         if done is None:   # this caller then always takes the copies out
@@ -393,9 +359,9 @@ class GraphedCalls:
         # not the steady inputs (holding the buffer a forward's graph returned would count as a
         # caller holding that graph's outputs): a replay happens only while this call's steady inputs
         # sit at the addresses in ``reads``, so it reads them, whatever was there before
-        held = tuple(None if i in in_place_at else t for i, t in enumerate(inputs))
-        return _Entry(done[0], held, outputs, () if in_place else used, tuple(keep), done[1], reads,
-                      tuple(s.data_ptr() for s in streams) if in_place else None)
+        held = tuple(None if i in read_at else t for i, t in enumerate(inputs))
+        return _Entry(done[0], held, outputs, () if streams_in_place else used, tuple(keep), done[1], reads,
+                      tuple(s.data_ptr() for s in streams) if streams_in_place else None)
 
     def _capture_stream(self, where: tuple[int, int]) -> "torch.cuda.Stream":
         """The stream the graphs replayed on caller stream ``where`` are captured on (made once)."""
@@ -427,78 +393,9 @@ class GraphedCalls:
         return graph, tuple((ref, torch._C._storage_Use_Count(ref.cdata))
                             for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
 
-    #: In-place captures an owner may make; one whose input addresses keep changing then copies. Also the
-    #: owned tier's captures for the moves of one steady input, per owner and signature (then it is copied).
+    #: The owned tier's captures for the moves of one steady input (or of the SR streams), per owner
+    #: and signature: after that the input is copied in (the streams drawn from through twins).
     OWNER_CAPTURES = 3
-    #: Calls in a row an owner must make with the same addresses before its in-place graph is captured.
-    STABLE_CALLS = 3
-
-    def _call_in_place(self, fn, sig, tensors, streams, keep, where,
-                       owner: Hashable) -> tuple[torch.Tensor, ...] | None:
-        """The in-place tier: a graph per signature and input addresses that reads the inputs where
-        they are (the addresses are part of its key, so the tensors at them are this call's) and
-        writes into output tensors of its own, allocated outside the graphs' pool; a replay returns
-        aliases of those (``detach()``: the same storage), no copy either way. The SR streams' state
-        tensors are read and advanced where they are too (their addresses are also in the key).
-        Captured once an owner has called :attr:`STABLE_CALLS` times in a row with the same
-        addresses (training reuses its activations' addresses step after step, once its allocations
-        have settled). A replay would overwrite what the previous one returned, so it happens only
-        when no caller holds any of those outputs any more (their storages' use counts, as
-        ``torch.compile``'s CUDA graph trees check); otherwise, and until the addresses have
-        settled, None: the copying tier runs.
-
-        One graph per owner (``owner`` names the caller: a layer and a direction): a capture for
-        new addresses of the same owner drops its previous graph and the outputs it kept, and an
-        owner that has captured :attr:`OWNER_CAPTURES` times copies from then on. Without these
-        bounds, addresses that shift from step to step (each graph's kept outputs change where the
-        allocator puts later tensors) would keep capturing and keep outputs of every shift: a
-        GPT-2-small training run measured slower and with far more memory that way."""
-        if self._entries.get(sig) is None and sig in self._direct:
-            return None   # ineligible or uncapturable
-        full = (sig, tuple(0 if t is None else t.data_ptr() for t in tensors),
-                tuple(s.data_ptr() for s in streams))
-        entry = self._in_place.get(full)
-        if entry is None:
-            who = (sig, owner)
-            mine = self._owners.get(who)
-            if mine is None:
-                if len(self._owners) > 16 * self.max_in_place:
-                    self._owners.clear()
-                mine = self._owners[who] = _Owner()
-            if mine.captures >= self.OWNER_CAPTURES:
-                return None
-            mine.streak = mine.streak + 1 if mine.last_key == full else 1
-            mine.last_key = full
-            if mine.streak < self.STABLE_CALLS or self._in_place_captures >= 2 * self.max_in_place:
-                return None
-            if mine.graph_key is not None:
-                self._in_place.pop(mine.graph_key, None)   # the owner's previous graph and its outputs
-            mine.graph_key, mine.captures = None, mine.captures + 1
-            entry = self._capture_in_place(fn, full, tensors, streams, keep, where)
-            if entry is None:
-                mine.captures = self.OWNER_CAPTURES   # it cannot be captured: this owner copies from now on
-                return None
-            mine.graph_key = full
-        elif not entry.outputs_free():
-            return None
-        self._in_place.move_to_end(full)
-        entry.graph.replay()   # draws from and advances the streams themselves (their addresses are in the key)
-        return tuple(o.detach() for o in entry.outputs)
-
-    def _capture_in_place(self, fn, full, tensors, streams, keep, where) -> _Entry | None:
-        # the outputs: a direct call's, kept (the graph writes into them); on twins of the streams,
-        # which that call advances and the capture, which runs nothing, does not
-        outputs = tuple(fn(*tensors, streams=tuple(SRStream(0, s.device).copy_(s) for s in streams)))
-        done = self._capture_into(lambda: fn(*tensors, streams=streams, out=outputs), outputs, where,
-                                  "these calls copy their inputs and outputs")
-        if done is None:   # this signature then always takes the copying tier
-            return None
-        self._in_place_captures += 1
-        entry = _Entry(done[0], (), outputs, (), tuple(keep), done[1])
-        self._in_place[full] = entry
-        while len(self._in_place) > self.max_in_place:
-            self._in_place.popitem(last=False)
-        return entry
 
     def _capture(self, fn, sig, tensors, streams, keep, where) -> _Entry | None:
         inputs = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)

@@ -709,7 +709,6 @@ def _run_fprop(state: _LayerState, stream: SRStream | None, x2d, weight, bias, n
                                                                          need_dgrad, need_wgrad, out),
                         ("fprop", state.recipe, id(opts), need_dgrad, need_wgrad), (x2d, weight, bias),
                         streams=(stream,), keep=(opts,),
-                        in_place=("fprop", state.key) if opts.layer_graphs_in_place else None,
                         owner=("fprop", state.key) if opts.layer_graphs_owned_outputs else None,
                         steady=(0, 1, 2),   # x, the weight and the bias, read where they are while they stay
                         eligible=lambda: _covered(state, x2d, "input_rowwise", "input_columnwise", need_wgrad)
@@ -727,7 +726,6 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
     return LAYER_GRAPHS(lambda g, buf, streams, out=None: _bprop_packed(_drawing_from(state, streams), g, buf, *rest,
                                                                         out=out),
                         ("bprop", state.recipe, id(opts), *rest), (dy, saved), streams=(stream,), keep=(opts,),
-                        in_place=("bprop", state.key) if opts.layer_graphs_in_place else None,
                         owner=("bprop", state.key) if opts.layer_graphs_owned_outputs else None,
                         steady=(0, 1),   # dY, and the saved copies (the forward's graph's own buffer)
                         eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))

@@ -85,7 +85,8 @@ class SRStream:
 
     def data_ptr(self) -> int:
         """The address of the state on the device: what a CUDA graph that draws from this stream
-        reads and advances in place (:mod:`nvfp4lab.cuda_graphs` keys its in-place graphs by it)."""
+        reads and advances in place (:mod:`nvfp4lab.cuda_graphs`' owned graphs record it, and are
+        captured again for a stream at another address)."""
         return self._buf.data_ptr()
 
     def advance(self) -> None:

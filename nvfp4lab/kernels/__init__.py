@@ -125,14 +125,6 @@ class KernelOptions:
             copy of the inputs in and, where the layer's own graph cannot hand out its outputs, of
             the outputs out; the launch overhead of ~20 kernels gone); False: the kernels launched
             one by one.
-        layer_graphs_in_place: with ``layer_graphs``, a layer whose inputs sit at the same
-            addresses call after call replays a graph that reads them in place and returns outputs
-            it owns, without the copies in and out (the in-place tier of
-            :class:`nvfp4lab.cuda_graphs.GraphedCalls`). Off by default: it pays where inputs live
-            in fixed buffers (a loop that copies each batch into the same tensors) and layers are
-            large, while in GPT-2-small training, whose activations move between steps until the
-            allocator settles, it measured slower than the copies (``benchmarks/bench_api.py``
-            measures both: ``eager_in_place``).
         layer_graphs_owned_outputs: with ``layer_graphs``, each layer and direction also has a
             graph of its own that writes outputs it owns (its inputs — X or dY, the weight, the
             bias, the saved copies — read where they are while they stay at one address, and
@@ -161,7 +153,6 @@ class KernelOptions:
     e2m1_bits: bool = True
     interpret_on_cpu: bool = False
     layer_graphs: bool = True
-    layer_graphs_in_place: bool = False
     layer_graphs_owned_outputs: bool = True
     launch_cache: bool = True
     config: Mapping[str, Mapping[str, int]] = dataclasses.field(

@@ -135,8 +135,8 @@ def test_eager_layer_graphs_equal_the_kernels_launched_one_by_one(recipe, tokens
     gys = [_x((3, tokens, 768), 20 + i) for i in range(4)]
     got = [_layer_steps(m, xs, gys) for m in layers]
     graphed = recipe.disable_rht or (3 * tokens) % 16 == 0
-    # the copying tier: one forward and one backward graph, shared by both layers (the in-place tier
-    # keys its graphs by input addresses too, so it may hold more)
+    # the copying tier: one forward and one backward graph, shared by both layers (the owned tier's
+    # graphs, one per layer and direction, are kept apart: LAYER_GRAPHS._owned)
     assert len(LAYER_GRAPHS._entries) == (2 if graphed else 0)
     assert graphed or len(LAYER_GRAPHS) == 0
     with kernels.use_options(layer_graphs=False):
@@ -147,50 +147,6 @@ def test_eager_layer_graphs_equal_the_kernels_launched_one_by_one(recipe, tokens
                 assert torch.equal(a, b)
     for a, b in zip(layers, twins):
         assert torch.equal(a.sr_streams()[0].get_state(), b.sr_streams()[0].get_state())
-
-
-def test_in_place_layer_graphs_read_inputs_where_they_are_and_spare_held_outputs():
-    """With ``layer_graphs_in_place``, inputs at the same addresses step after step (new values
-    written into them) take the in-place tier: its graphs read the inputs where they are and return outputs of their own
-    without copies. Outputs a caller still holds (here step 5's Y, dX, dW, db) are not overwritten
-    by later steps, which take the copying tier meanwhile. Every step gives the bits of the kernels
-    launched one by one, SR streams included."""
-    LAYER_GRAPHS.clear()
-    torch.manual_seed(0)
-    layers = [NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3) for _ in range(2)]
-    layers[1].load_state_dict(layers[0].state_dict())
-
-    def steps(layer, hold_at=None):
-        x = torch.empty(512, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True)
-        gy = torch.empty(512, 768, device=DEV, dtype=torch.bfloat16)
-        got, held = [], []
-        for i in range(8):
-            with torch.no_grad():
-                x.copy_(_x((512, 1024), 30 + i))
-                gy.copy_(_x((512, 768), 40 + i))
-            layer.weight.grad = layer.bias.grad = x.grad = None
-            y = layer(x)
-            y.backward(gy)
-            rec = [y, x.grad, layer.weight.grad, layer.bias.grad]
-            got.append([t.detach().clone() for t in rec])
-            if i == hold_at:
-                held = rec
-            del y, rec   # a caller that keeps only what it needs (a step that held Y would copy)
-        return got, held
-
-    with kernels.use_options(layer_graphs_in_place=True):
-        got, held = steps(layers[0], hold_at=5)   # the backward's graph is captured at step 4
-    kinds = [full[0][0][0] for full in LAYER_GRAPHS._in_place]   # (sig, addresses); sig[0] is the key
-    assert {"fprop", "bprop"} <= set(kinds), "the forward and the backward in place"
-    assert len(LAYER_GRAPHS._entries) >= 1, "the copying tier while step 5's outputs were held"
-    with kernels.use_options(layer_graphs=False):
-        ref, _ = steps(layers[1])
-    for step_got, step_ref in zip(got, ref):
-        for a, b in zip(step_got, step_ref):
-            assert torch.equal(a, b)
-    for a, b in zip(held, got[5]):
-        assert torch.equal(a, b), "a held output was overwritten"
-    assert torch.equal(layers[0].sr_streams()[0].get_state(), layers[1].sr_streams()[0].get_state())
 
 
 def test_owned_output_graphs_return_outputs_without_copies_and_spare_held_ones():
