@@ -737,7 +737,7 @@ def test_fused_single_kernel_mode(kernel_options, dtype, rht):
 def _sr_probe(y_ptr, c_ptr, u_ptr, NY: tl.constexpr, SHIFT: tl.constexpr):
     iy = tl.arange(0, NY)
     k = tl.arange(0, 256)
-    u = tk._sr_offset(tk._sr_byte(k << SHIFT, SHIFT // 8))  # the byte in lane SHIFT / 8 of a random word
+    u = tk._sr_byte_offsets(k << SHIFT, SHIFT // 8)  # the byte in lane SHIFT / 8 of a random word
     y = tl.load(y_ptr + iy)
     c = tk._e2m1_sr_fast(y[:, None], u[None, :])
     tl.store(c_ptr + iy[:, None] * 256 + k[None, :], c)

@@ -277,9 +277,21 @@ def _sr_offset(byte):
 
 
 @triton.jit
-def _sr_byte(word, b: tl.constexpr):
-    """Byte ``b`` (0..3, a constant) of random int32 words, as uint32."""
-    return (word.to(tl.uint32, bitcast=True) >> (8 * b)) & 0xFF
+def _sr_byte_offsets(word, b):
+    """The offset uniforms (:func:`_sr_offset`) of byte ``b`` of random int32 words: ``b`` a
+    constant 0..3 or an int32 tensor of them broadcastable to ``word``.
+
+    On the GPU (:data:`HW_CVT`) one byte permute builds the float32 bits 0x3F80kk81 of
+    :func:`_sr_offset` from the word (``prmt.b32`` with selector 0x76b4: byte 0 = 0x81, byte 1 =
+    byte b of the word, bytes 2-3 = 0x80, 0x3F), in place of a shift and two masks; the same
+    bits as the interpreter's shifts."""
+    if HW_CVT:
+        sel = tl.full(word.shape, 0x7604, tl.int32) + b * 16
+        k = tl.full(word.shape, 0x3F800081, tl.int32)
+        f = tl.inline_asm_elementwise("prmt.b32 $0, $1, $2, $3;", "=r,r,r,r", [word, k, sel],
+                                      dtype=tl.int32, is_pure=True, pack=1).to(tl.float32, bitcast=True)
+        return tl.fma(f, 128.0, -128.5)
+    return _sr_offset((word.to(tl.uint32, bitcast=True) >> (8 * b)) & 0xFF)
 
 
 @triton.jit
@@ -300,8 +312,7 @@ def _sr_block_uniforms(seed, counter):
     R: tl.constexpr = counter.shape[0]
     NB: tl.constexpr = counter.shape[1]
     w = tl.broadcast_to(w[:, :, :, :, None], (R, NB, 2, 2, 4))
-    sh = (tl.arange(0, 4) * 8)[None, None, None, None, :]
-    u = _sr_offset((w.to(tl.uint32, bitcast=True) >> sh) & 0xFF)  # [R, NB, p, h, b]
+    u = _sr_byte_offsets(w, tl.arange(0, 4)[None, None, None, None, :])  # [R, NB, p, h, b]
     return tl.reshape(tl.permute(u, (0, 1, 3, 4, 2)), (R, NB * 16))  # element h*8 + b*2 + p
 
 
@@ -309,8 +320,9 @@ def _sr_block_uniforms(seed, counter):
 def _sr_word_offsets(word):
     """Offset uniforms of the four bytes of each random word: [R, NB] -> [R, NB, 4] (byte b of
     the word in lane b; as :func:`_sr_offset`)."""
-    sh = (tl.arange(0, 4) * 8)[None, None, :]
-    return _sr_offset((word.to(tl.uint32, bitcast=True)[:, :, None] >> sh) & 0xFF)
+    R: tl.constexpr = word.shape[0]
+    NB: tl.constexpr = word.shape[1]
+    return _sr_byte_offsets(tl.broadcast_to(word[:, :, None], (R, NB, 4)), tl.arange(0, 4)[None, None, :])
 
 
 @triton.jit
@@ -700,7 +712,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         if SR:
             seed_t = tl.load(seed_ptr + 1)
             r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
-            us = [_sr_offset(_sr_byte(r[(i // 8) * 2 + i % 2], (i % 8) // 2))
+            us = [_sr_byte_offsets(r[(i // 8) * 2 + i % 2], (i % 8) // 2)
                   for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
                       for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]

@@ -486,6 +486,30 @@ def test_e4m3_and_bf16_rounding_on_gpu():
     assert torch.equal(out, b.to(torch.bfloat16).float())
 
 
+@triton.jit
+def _sr_offsets_probe(w_ptr, u_ptr, ul_ptr, N: tl.constexpr):
+    i = tl.arange(0, N)
+    w = tl.load(w_ptr + i)
+    for b in tl.static_range(4):  # a constant byte index
+        tl.store(u_ptr + b * N + i, tk._sr_byte_offsets(w, b))
+    lanes = tk._sr_word_offsets(w[None, :])  # [1, N, 4]: byte b in lane b
+    tl.store(ul_ptr + tl.arange(0, 4)[None, None, :] * N + i[None, :, None], lanes)
+
+
+def test_sr_byte_offsets_on_gpu():
+    """The GPU's byte permute (prmt) gives every byte's offset uniform (k + 1/2)/256 - 1/2 + 2^-16
+    exactly, for a constant byte index and for the per-lane index the rowwise kernel uses: the
+    same bits as the interpreter's shifts, which tests/test_kernels.py checks."""
+    k = torch.arange(256, device=DEV, dtype=torch.int32)
+    w = k | ((k + 85) % 256 << 8) | ((k + 170) % 256 << 16) | (((255 - k) << 24).to(torch.int32))
+    u = torch.empty(4, 256, device=DEV)
+    ul = torch.empty(4, 256, device=DEV)
+    _sr_offsets_probe[(1,)](w, u, ul, N=256)
+    wb = w.view(torch.uint8).view(256, 4).t().double()  # byte b of each word (little endian)
+    want = ((wb + 0.5) / 256 - 0.5 + 2**-16).float()
+    assert torch.equal(u, want) and torch.equal(ul, want)
+
+
 def test_rht_fp32_butterfly_mismatch_rate():
     """rht_f64=False (FP32 butterfly) on bf16: report how many codes differ at 8192² (expected ~a few)."""
     x = _x((8192, 8192), torch.bfloat16, seed=11)
