@@ -282,9 +282,9 @@ def _sr_byte_offsets(word, b):
     constant 0..3 or an int32 tensor of them broadcastable to ``word``.
 
     On the GPU (:data:`HW_CVT`) one byte permute builds the float32 bits 0x3F80kk81 of
-    :func:`_sr_offset` from the word (``prmt.b32`` with selector 0x76b4: byte 0 = 0x81, byte 1 =
-    byte b of the word, bytes 2-3 = 0x80, 0x3F), in place of a shift and two masks; the same
-    bits as the interpreter's shifts."""
+    :func:`_sr_offset` from the word and the constant 0x3F800081 (``prmt.b32`` with the selector
+    0x7604 + 16·b: byte 0 = 0x81, byte 1 = byte b of the word, bytes 2-3 = 0x80, 0x3F), in place
+    of a shift and two masks; the same bits as the interpreter's shifts."""
     if HW_CVT:
         sel = tl.full(word.shape, 0x7604, tl.int32) + b * 16
         k = tl.full(word.shape, 0x3F800081, tl.int32)
