@@ -103,7 +103,7 @@ def cases():
     uses for 8192x8192 BF16 inputs (``nvfp4lab.kernels.options().config``)."""
     rows = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", amax_ptr="*fp32:D", seed_ptr="*i64:D",
                 d32_ptr="*i32:D", s_ptr="*u8:D", v32_ptr="*i32:D", d32_rs="i32:D", s_rs="i32:D", v32_rs="i32:D",
-                inv6="fp32", WORDS=True, REVERSE=False, EVEN=True, I64=False)
+                inv6="fp32", WORDS=True, REVERSE=False, EVEN=True, I64=False, CODES=True)
     sl = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", sxk=1, amax_ptr="*fp32:D",
               amaxt_ptr="*fp32:D", seed_ptr="*i64:D", d_ptr="*u8:D", s_ptr="*u8:D", dt32_ptr="*i32:D", st_ptr="*u8:D",
               v_ptr="*i16:D", vt_ptr="*i16:D", d_rs="i32:D", s_rs="i32:D", dt32_rs="i32:D", st_rs="i32:D",
@@ -113,7 +113,9 @@ def cases():
     for name, key, kw in [("rowwise 1x16 RNE", "rows", dict(SR=False, VALUES=False)),
                           ("rowwise 1x16 SR", "rows", dict(SR=True, VALUES=False)),
                           ("rowwise 1x16 RNE + values", "rows_values", dict(SR=False, VALUES=True)),
-                          ("rowwise 1x16 SR + values", "rows_values", dict(SR=True, VALUES=True))]:
+                          ("rowwise 1x16 SR + values", "rows_values", dict(SR=True, VALUES=True)),
+                          ("rowwise 1x16 RNE values only", "rows_values", dict(SR=False, VALUES=True, CODES=False)),
+                          ("rowwise 1x16 SR values only", "rows_values", dict(SR=True, VALUES=True, CODES=False))]:
         c = options().config[key]
         out[name] = (tk.quantize_rows_kernel, dict(rows, BM=c["BM"], NB=c["NB"], **kw), c["num_warps"],
                      c["BM"] * c["NB"] * 16 / (32 * c["num_warps"]))

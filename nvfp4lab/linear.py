@@ -277,7 +277,9 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
 
     ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies. ``values``: ask
     for the BF16 block values of the (rowwise, columnwise) copy along with it: for the copies a GEMM
-    uses at once, not for those saved for the backward pass (which stay packed, 4.5 bits a value).
+    uses at once, not for those saved for the backward pass (which stay packed, 4.5 bits a value);
+    ``"only"``: the values may come without the codes (the rowwise Fprop and Dgrad operands; not
+    while GEMM operands are being recorded, which shows them their codes).
     ``col_out``: (data, scale, amax) for the columnwise copy to be written into (only the default
     quantizer's ``quantize_pair`` takes it: the packed forward runs only with it), or None.
     ``amax_out``: a zeroed float32 [2] buffer for the pair's amax kernel (same condition), or None.
@@ -293,6 +295,8 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
         if _OBSERVERS:
             rng_state = gen.get_state()
     given = {k: v for k, v in (("col_out", col_out), ("amax_out", amax_out)) if v is not None}
+    if _OBSERVERS:
+        values = tuple(bool(v) for v in values)
     pair = pair_fn(x2d, row_opts, col_opts, generator=gen, values=values, **given)
     if pair is None:
         return None
@@ -356,7 +360,7 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     # values for the Fprop operands only: the columnwise copies wait for the backward packed
     out_xt, out_wt = out_saved
     px = _quantize_pair(state, x2d, ("fprop", "x", "input_rowwise"),
-                        ("wgrad", "xt", "input_columnwise") if need_wgrad else None, (True, False),
+                        ("wgrad", "xt", "input_columnwise") if need_wgrad else None, ("only", False),
                         out_xt if need_wgrad else None, amax_out[0] if need_wgrad else None)
     pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
                         ("dgrad", "wt", "weight_columnwise") if need_dgrad else None, (True, False),
@@ -427,7 +431,7 @@ def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torc
     pdy = None
     if need_dgrad or need_wgrad:
         pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
-                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, (True, True))
+                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, ("only", True))
     if pdy is not None:
         qdy, qdyt = pdy
     elif (need_dgrad or need_wgrad) and bool(torch.isnan(dy).any()):

@@ -167,9 +167,13 @@ class NVFP4Tensor:
 
     Attributes:
         data: ``uint8 [M, ceil(K/2)]`` packed E2M1 codes of the input flattened to
-            ``[M, K]`` (element ``2i`` in the low nibble). Padding codes are 0.
+            ``[M, K]`` (element ``2i`` in the low nibble). Padding codes are 0. None for a GEMM
+            operand that holds only its :attr:`values_bf16` (``values="only"`` of
+            :func:`quantize_rowwise_columnwise`, as a TE tensor may hold only the usage a GEMM
+            needs): :meth:`block_values` and :func:`nvfp4_matmul` work from the values;
+            :meth:`codes`, :meth:`dequantize` and :attr:`rowwise_scale` raise ValueError.
         scale: ``torch.float8_e4m3fn`` block decode scales, ``[M, ceil(K/16)]`` for
-            ``block="1d"`` or ``[ceil(M/16), ceil(K/16)]`` for ``block="2d"``.
+            ``block="1d"`` or ``[ceil(M/16), ceil(K/16)]`` for ``block="2d"``; None with ``data``.
         amax: float32 0-d tensor, the per-tensor amax the global scale came from
             (post-RHT when ``rht`` is true).
         shape: the logical shape of the input.
@@ -191,8 +195,8 @@ class NVFP4Tensor:
             ``row_scaled_nvfp4``, ``global_amax_row``), instead of one 0-d value.
     """
 
-    data: torch.Tensor
-    scale: torch.Tensor
+    data: torch.Tensor | None
+    scale: torch.Tensor | None
     amax: torch.Tensor
     shape: torch.Size
     block: str
@@ -218,7 +222,13 @@ class NVFP4Tensor:
 
     @property
     def device(self) -> torch.device:
-        return self.data.device
+        return (self.data if self.data is not None else self.values_bf16).device
+
+    def _require_codes(self, what: str) -> None:
+        if self.data is None:
+            raise ValueError(f"{what} needs the codes and scales, and this copy holds only its BF16 block values "
+                             "(values='only' of quantize_rowwise_columnwise: a GEMM operand); quantize with "
+                             "values=True or False to keep them")
 
     # ---- scales ---------------------------------------------------------
     @property
@@ -237,6 +247,7 @@ class NVFP4Tensor:
 
         This is the layout of TE's rowwise ``scale`` (for 2D, ``sf[r, j] = tile(r // 16, j)``).
         """
+        self._require_codes("rowwise_scale")
         if self.block == "1d":
             return self.scale
         return self.scale.view(torch.uint8).repeat_interleave(BLOCK_SIZE, dim=0)[: self.rows].view(
@@ -245,7 +256,8 @@ class NVFP4Tensor:
 
     # ---- values ---------------------------------------------------------
     def codes(self) -> torch.Tensor:
-        """Unpacked E2M1 codes, ``uint8 [M, K]``."""
+        """Unpacked E2M1 codes, ``uint8 [M, K]``. Raises ValueError without codes (:attr:`data`)."""
+        self._require_codes("codes()")
         return unpack_fp4(self.data)[:, : self.cols]
 
     def _per_element(self, per_block: torch.Tensor) -> torch.Tensor:
@@ -262,12 +274,15 @@ class NVFP4Tensor:
         scale) and lies in ``[2^-10, 2688]``, so it is exact in BF16, FP16 (normal range
         permitting) and FP32: the operand a real NVFP4 tensor core multiplies. BF16 comes from the Triton kernels where
         they run (or from :attr:`values_bf16` when the quantize kernel wrote it), bit-identical.
+        A copy without codes (:attr:`data` None) converts its BF16 values (exact in any of these).
         """
         if dtype == torch.bfloat16:
             if self.values_bf16 is not None:
                 return self.values_bf16
             if kernels.covers_decode(self.data, self.rows, self.cols, 0):
                 return kernels.block_values(self.data, self.scale, self.rows, self.cols, block2d=self.block == "2d")
+        if self.data is None:
+            return self.values_bf16.to(dtype)
         vals = decode_e2m1(self.codes()) * self._per_element(self.scale.float())
         return vals.to(dtype)
 
@@ -284,7 +299,11 @@ class NVFP4Tensor:
             dtype: output dtype (default float32).
             undo_rht: set ``False`` to stay in the rotated domain (a Wgrad GEMM
                 emulation wants this: the rotation cancels between its operands).
+
+        Raises:
+            ValueError: the copy holds no codes (:attr:`data` None).
         """
+        self._require_codes("dequantize()")
         dtype = dtype or torch.float32
         undo = self.rht and undo_rht
         mask = kernels.sign_mask(self.rht_signs) if undo else None
@@ -787,7 +806,7 @@ def quantize_rowwise_columnwise(
     col: dict | None = None,
     *,
     generator: "torch.Generator | SRStream | None" = None,
-    values: tuple[bool, bool] = (False, False),
+    values: tuple[bool | str, bool | str] = (False, False),
     fallback: bool = True,
     col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     amax_out: torch.Tensor | None = None,
@@ -815,7 +834,11 @@ def quantize_rowwise_columnwise(
         values: (rowwise, columnwise): also keep that copy's BF16 block values
             (:attr:`NVFP4Tensor.values_bf16`) where the kernel that runs can write them
             (rowwise 1×16 with ``K % 16 == 0`` or 2D; columnwise ``M % 16 == 0``); the GEMM then
-            skips a decode pass. Not part of the format.
+            skips a decode pass. Not part of the format. ``"only"`` for the rowwise copy: its values
+            without its codes and scales (the copy's ``data`` and ``scale`` None), where the kernel
+            that runs makes them so (rowwise 1×16, ``K % 16 == 0``: the same values, fewer
+            instructions and bytes); elsewhere ``"only"`` is ``True``. For an operand a GEMM uses
+            at once (the layer's Fprop X and Dgrad dY).
         fallback: where the kernels do not cover the pair, make it with :func:`quantize`
             (default) or return ``None`` (for a caller with its own fallback).
         col_out: ``(data, scale, amax)`` tensors for the columnwise copy (``uint8 [K, ceil(M/2)]``,
@@ -836,8 +859,13 @@ def quantize_rowwise_columnwise(
 
     Raises:
         What :func:`quantize` raises, for either copy.
-        ValueError: ``col_out`` without ``col``, or not as described.
+        ValueError: ``col_out`` without ``col``, or not as described; ``values`` not a pair of
+            False, True or ``"only"``.
     """
+    if not (isinstance(values, (tuple, list)) and len(values) == 2
+            and all(isinstance(v, str) and v == "only" or not isinstance(v, str) and v in (False, True)
+                    for v in values)):
+        raise ValueError(f"values must be a pair of False, True or 'only', got {values!r}")
     if col is None:
         if col_out is not None:
             raise ValueError("col_out is given but col is None: there is no columnwise copy to write")
@@ -874,7 +902,7 @@ def quantize_rowwise_columnwise(
     block, rounding, col_rht, mask = args
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
-        generator=generator, values=(bool(values[0]), bool(values[1])),
+        generator=generator, values=(values[0], bool(values[1])),
         col_out=None if col_out is None else col_out[:2], values_out=None if values_t is None else values_t.t(),
         amax_out=amax_out)
     if col_out is not None:

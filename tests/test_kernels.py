@@ -422,6 +422,58 @@ def test_kernels_write_block_values_with_the_codes(shape, dtype, kw):
         assert row0.values_bf16 is None and col0.values_bf16 is None
 
 
+def _with_specials(x):
+    """``x`` with the values the float-domain decode must get right: -0.0 (a +0 code), all-zero
+    and all -0.0 blocks (scale 0), TE's rounding thresholds and a block that underflows."""
+    x = x.clone()
+    x[::7, ::5] = -0.0
+    x[1, :16] = 0.0
+    x[2, 16:32] = -0.0
+    t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0])
+    x[3, :16] = torch.cat([t, -t]).to(x.dtype)
+    x[4, :] *= 1e-30
+    return x
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (48, 96), (32, 48)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("kw", [dict(), dict(rht=True), dict(rht=True, rounding="stochastic")],
+                         ids=["1d", "1d-rht", "1d-rht-sr"])
+def test_values_only_rowwise_copy(shape, dtype, kw):
+    """values=("only", ...): the rowwise copy holds its BF16 block values alone (no codes, no
+    scales), bit-identical to the values written with the codes (the same generator state for SR)
+    and to block_values() of those codes; the columnwise copy and the GEMM are unchanged; what
+    needs the codes raises."""
+    x = _with_specials(_x(shape, dtype, seed=23))
+    g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    row, col = pair(x, values=(True, True), generator=g1, **kw)
+    row_v, col_v = pair(x, values=("only", True), generator=g2, **kw)
+    assert row_v.data is None and row_v.scale is None
+    assert torch.equal(row_v.values_bf16.view(torch.int16), row.values_bf16.view(torch.int16))
+    with kernels.disabled():
+        assert torch.equal(row_v.values_bf16.view(torch.int16), row.block_values(torch.bfloat16).view(torch.int16))
+    assert_nvfp4_equal(col_v, col)
+    assert torch.equal(row_v.amax, row.amax) and row_v.device == row.device
+    assert torch.equal(row_v.block_values(torch.float32), row.block_values(torch.float32))
+    w = fast(_x((40, shape[1]), torch.float32, seed=24), block="2d")
+    assert torch.equal(nvfp4_matmul(row_v, w, out_dtype=torch.bfloat16), nvfp4_matmul(row, w, out_dtype=torch.bfloat16))
+    for call in (row_v.codes, row_v.dequantize, lambda: row_v.rowwise_scale):
+        with pytest.raises(ValueError, match="holds only its BF16 block values"):
+            call()
+    repr(row_v)
+
+
+def test_values_only_falls_back_to_codes_and_checks_its_argument():
+    """Where the kernel that makes the rowwise copy writes codes anyway (2D blocks), "only" is True;
+    a values argument that is not a pair of False / True / "only" is refused by name."""
+    x = _x((32, 64), torch.float32, seed=25)
+    row, _ = pair(x, values=("only", False), block="2d")
+    assert row.data is not None and torch.equal(row.values_bf16, row.block_values(torch.bfloat16))
+    for bad in (("yes", False), (True,), "only"):
+        with pytest.raises(ValueError, match="values must be a pair of False, True or 'only'"):
+            pair(x, values=bad)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16])
 def test_matmul_fast_epilogue_bias_and_cast(out_dtype):
     a = quantize_ref(_x((48, 64), torch.bfloat16, seed=8))

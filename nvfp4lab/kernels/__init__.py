@@ -503,9 +503,10 @@ def _launch_amax(x2: torch.Tensor, buf: torch.Tensor, config: Mapping, *, row: b
 
 
 def _launch_rows(x2: torch.Tensor, args: tuple, config: Mapping, *, sr: bool, values: bool, after_amax: bool,
-                 i64: bool) -> tuple[tuple | None, tuple]:
+                 i64: bool, codes: bool = True) -> tuple[tuple | None, tuple]:
     """Launch ``quantize_rows_kernel`` on x2 [M, K] with ``args`` (:func:`_rows_args`), its tile from
-    :func:`_rows_config`; returns :func:`_launch`'s cache entry and the grid."""
+    :func:`_rows_config` (``codes=False``: the BF16 values alone, with ``values``); returns
+    :func:`_launch`'s cache entry and the grid."""
     M, K = x2.shape
     cfg = _rows_config(config, K, values, after_amax)
     BM, NB = cfg["BM"], cfg["NB"]
@@ -514,8 +515,14 @@ def _launch_rows(x2: torch.Tensor, args: tuple, config: Mapping, *, sr: bool, va
     words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
     entry = _launch(_kernels().quantize_rows_kernel, grid, *args, SR=sr, VALUES=values, WORDS=words, BM=BM, NB=NB,
                     REVERSE=after_amax, EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64,
-                    num_warps=cfg["num_warps"])
+                    CODES=codes or not values, num_warps=cfg["num_warps"])
     return entry, grid
+
+
+def _rows_kernel_runs(x2: torch.Tensor, opts: "KernelOptions", row_rht: bool, block2d: bool) -> bool:
+    """Whether the one-block-per-thread kernel makes a rowwise copy of x2 [M, K] that
+    :func:`_run` quantizes alone (1x16 blocks, no RHT, ``K % 16 == 0``, unit column stride)."""
+    return opts.rows_kernel and not row_rht and not block2d and x2.shape[1] % 16 == 0 and x2.stride(1) == 1
 
 
 def _i64(x2: torch.Tensor) -> bool:
@@ -599,12 +606,14 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
          on_amax: Callable[[torch.Tensor], Any] | None = None,
          col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
-         amax_out: torch.Tensor | None = None):
+         amax_out: torch.Tensor | None = None, row_codes: bool = True):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
     kernel that runs can (the one-block-per-thread rowwise kernel, the 16-slice kernel); the
-    last two results are those tensors or ``None``. ``on_amax``: called with the rowwise amax
+    last two results are those tensors or ``None``. ``row_codes=False`` (with ``values[0]``):
+    leave out the rowwise codes and scales where the one-block-per-thread kernel makes that copy
+    (:func:`_rows_kernel_runs`); ``data`` and ``scale`` are then None. ``on_amax``: called with the rowwise amax
     (the columnwise one without ``row``) once the amax kernel is launched, when it runs.
     ``col_out``: (codes, scales as uint8) for the columnwise copy to be written into, checked by
     :func:`check_col_out`, or None for new tensors. ``values_out``: a contiguous BF16 [M, K] tensor
@@ -652,8 +661,11 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
 
     Mh, Kh, M16, K16 = -(-M // 2), -(-K // 2), -(-M // 16), -(-K // 16)
     u8 = torch.uint8
-    d = torch.empty(M, Kh, dtype=u8, device=dev) if row else None
-    s = torch.empty((M16 if block2d else M), K16, dtype=u8, device=dev) if row else None
+    split = row and col and not block2d and not opts.fuse_row_col   # two kernels: rowwise, then columnwise
+    rows_kernel = row and (split or not col) and _rows_kernel_runs(x2, opts, row_rht, block2d)
+    row_codes = row_codes or not (values[0] and rows_kernel)
+    d = torch.empty(M, Kh, dtype=u8, device=dev) if row and row_codes else None
+    s = torch.empty((M16 if block2d else M), K16, dtype=u8, device=dev) if row and row_codes else None
     if col and col_out is not None:
         dt, st = col_out
     else:
@@ -669,10 +681,11 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         return values_out if values_out is not None else torch.empty(M, K, dtype=torch.bfloat16, device=dev)
 
     def launch(row_: bool, col_: bool) -> None:
-        if opts.rows_kernel and row_ and not col_ and not row_rht and not block2d and K % 16 == 0 and x2.stride(1) == 1:
+        if row_ and not col_ and rows_kernel:
             v = new_values() if values[0] else None
-            _launch_rows(x2, _rows_args(x2, a_row, seeds, d, s, dummy if v is None else v.view(torch.int32)), config,
-                         sr=sr, values=v is not None, after_amax=reverse, i64=i64)
+            _launch_rows(x2, _rows_args(x2, a_row, seeds, dummy if d is None else d, dummy.view(u8) if s is None else s,
+                                        dummy if v is None else v.view(torch.int32)), config,
+                         sr=sr, values=v is not None, after_amax=reverse, i64=i64, codes=row_codes)
             out_v[0] = v
             return
         use_slices = opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
@@ -706,7 +719,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
                 EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"])
 
-    if row and col and not block2d and not opts.fuse_row_col:
+    if split:
         launch(True, False)
         launch(False, True)
     else:
@@ -834,7 +847,7 @@ def _check_out(name: str, t: Any, shape: tuple, dtypes: tuple, device: torch.dev
 def quantize_rowwise_columnwise(
     x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False, sign_mask: int = 0,
     generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
-    amax_t: torch.Tensor | None = None, values: tuple[bool, bool] = (False, False),
+    amax_t: torch.Tensor | None = None, values: tuple[bool | str, bool | str] = (False, False),
     col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
     amax_out: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor | None, ...]:
@@ -851,6 +864,10 @@ def quantize_rowwise_columnwise(
     Args:
         values: (rowwise, columnwise): also write that copy's BF16 block values where the kernel
             that runs can (rowwise: 1x16 with ``K % 16 == 0``, or 2D; columnwise: ``M % 16 == 0``).
+            ``"only"`` for the rowwise copy: its values alone, without its codes and scales
+            (``data`` and ``scale`` None), where the one-block-per-thread kernel makes it (1x16,
+            ``K % 16 == 0``); elsewhere ``"only"`` is ``True``. The values are the same bits
+            (``quantize_rows_kernel``'s ``CODES=False``). For an operand a GEMM uses at once.
         col_out: (codes, block scales) tensors the columnwise copy is written into (contiguous,
             16-byte aligned, the shapes below; scales as ``uint8`` or ``float8_e4m3fn``), or None
             for new ones: a caller that keeps the copy in a buffer of its own saves a copy pass.
@@ -886,7 +903,7 @@ def quantize_rowwise_columnwise(
     d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
         generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
-        col_out=col_out, values_out=values_out, amax_out=amax_out)
+        col_out=col_out, values_out=values_out, amax_out=amax_out, row_codes=values[0] != "only")
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     return d, s, am, dt, st, amt, v, vt

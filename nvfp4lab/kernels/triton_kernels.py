@@ -234,9 +234,14 @@ def _e2m1_rne_fast(y):
     operations: the integer pipe, which issues at half the float32 rate on Hopper, was what
     bounded the kernels. NaN gives an unspecified code.
     """
+    return (_e2m1_rne_grid(y).to(tl.int32, bitcast=True) - 0x4B000000) | _sign_bit3(y)
+
+
+@triton.jit
+def _e2m1_rne_grid(y):
+    """The magnitude code of :func:`_e2m1_rne_fast` as the float32 ``2^23 + code`` (exact)."""
     m = tl.minimum(tl.abs(y), 6.0)
-    u = tl.minimum(tl.minimum(tl.fma(m, 2.0, 8388608.0), m + 8388610.0), tl.fma(m, 0.5, 8388612.0))
-    return (u.to(tl.int32, bitcast=True) - 0x4B000000) | _sign_bit3(y)
+    return tl.minimum(tl.minimum(tl.fma(m, 2.0, 8388608.0), m + 8388610.0), tl.fma(m, 0.5, 8388612.0))
 
 
 @triton.jit
@@ -253,13 +258,18 @@ def _e2m1_sr_fast(y, u):
     rounds away (``|u| < 1/2``). The sign is that of ``y < 0`` (:func:`_sign_bit3`).
     The two roundings of a candidate move the decision by at most 2^-21 of a step.
     """
+    return (_e2m1_sr_grid(y, u).to(tl.int32, bitcast=True) - 0x4B400000) | _sign_bit3(y)
+
+
+@triton.jit
+def _e2m1_sr_grid(y, u):
+    """The magnitude code of :func:`_e2m1_sr_fast` as the float32 ``1.5·2^23 + code`` (exact)."""
     m = tl.minimum(tl.abs(y), 6.0)
     # magic 1.5 * 2^23: t + u reaches -1/2, and the float32 ulp is 1 only from 2^23 on
     u1 = tl.fma(m, 2.0, u) + 12582912.0
     u2 = (m + u) + 12582914.0
     u3 = tl.fma(m, 0.5, u) + 12582916.0
-    c = tl.minimum(tl.minimum(u1, u2), u3)
-    return (c.to(tl.int32, bitcast=True) - 0x4B400000) | _sign_bit3(y)
+    return tl.minimum(tl.minimum(u1, u2), u3)
 
 
 @triton.jit
@@ -862,6 +872,37 @@ def _values_bits(codes, sfv):
 
 
 @triton.jit
+def _grid_value_bits(g, magic, y, sfv):
+    """BF16 block values ``code × scale`` as float32 bits from the code in the float domain: ``g``
+    the float32 ``magic + magnitude code`` of :func:`_e2m1_rne_grid` / :func:`_e2m1_sr_grid`, ``y``
+    the scaled value, never -0.0 (:func:`_scaled`; its sign is the code's, as :func:`_sign_bit3`),
+    ``sfv`` the E4M3 scale (broadcast).
+
+    With c = g - magic (exact), the E2M1 magnitude of code c is max(c/2, c - 2, 2c - 8), convex
+    and piecewise linear (0, 0.5, 1, 1.5 for c <= 3; 2, 3, 4 for c = 4..6; 6 for c = 7): three
+    exact products with the scale and two maxima give ``|code| × scale`` (at most 7 significant
+    bits, exact in BF16 and in every step), then the sign bit of ``y`` is or-ed in: the bits
+    :func:`_values_bits` decodes from the code, with no code."""
+    c = g - magic
+    v = tl.maximum(tl.maximum(c * (0.5 * sfv), tl.fma(c, sfv, -2.0 * sfv)), tl.fma(c, 2.0 * sfv, -8.0 * sfv))
+    return v.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)
+
+
+@triton.jit
+def _scaled(a, enc):
+    """``a × enc`` rounded to float32, with -0.0 turned into +0.0 by the same instruction: ``fma(a,
+    enc, +0.0)`` is the product except that -0.0 + 0.0 = +0.0, so the sign bit of the result is
+    that of :func:`_sign_bit3` (``enc`` > 0)."""
+    return tl.fma(a, enc, 0.0)
+
+
+@triton.jit
+def _pair_words(ve, vo):
+    """float32 bits of BF16 values of even/odd element pairs -> the int32 words of the BF16 tensor."""
+    return ((ve >> 16) | (vo & 0xFFFF0000)).to(tl.int32, bitcast=True)
+
+
+@triton.jit
 def _rows_values_words(c_even, c_odd, sfv):
     """BF16 block values ``code × scale`` of even/odd element pairs, packed as the int32 words of
     the BF16 tensor (even element in the low half)."""
@@ -873,7 +914,8 @@ def _rows_values_words(c_even, c_odd, sfv):
 @triton.jit
 def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v32_ptr, d32_rs, s_rs, v32_rs, inv6,
                          SR: tl.constexpr, VALUES: tl.constexpr, WORDS: tl.constexpr, BM: tl.constexpr,
-                         NB: tl.constexpr, REVERSE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+                         NB: tl.constexpr, REVERSE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
+                         CODES: tl.constexpr = True):
     """Rowwise 1x16 quantization of x [M, K] (K % 16 == 0, unit column stride), one block per thread.
 
     Each program takes BM rows x NB blocks (grid: row tiles x block tiles); a thread holds the
@@ -886,7 +928,10 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     (ROW, no RHT); SR uses the same Philox counters (row * K16 + block) and byte mapping
     (:func:`_sr_block_uniforms`), so it draws the same stream. With VALUES it also writes the BF16 block values ``code × scale`` (exact)
     to ``v32`` (the BF16 [M, K] output viewed as int32 [M, K/2]), the operand the emulated GEMM
-    multiplies, saving a separate decode pass.
+    multiplies, saving a separate decode pass. With VALUES and not CODES it writes those values
+    alone, neither codes nor scales, and makes them without the integer codes: the code stays a
+    float (:func:`_e2m1_rne_grid`, :func:`_e2m1_sr_grid`) that :func:`_grid_value_bits` maps to
+    ``code × scale`` (the same bits; about a quarter fewer instructions per element).
     """
     K16 = K // 16
     pm = tl.program_id(0)
@@ -931,6 +976,32 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
     sfv, sfc = _e4m3_rne(sf)
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)[:, :, None]
+    if not CODES:   # the BF16 values alone, from the codes in the float domain
+        y0 = _scaled(a0, enc)
+        y1 = _scaled(a1, enc)
+        y2 = _scaled(a2, enc)
+        y3 = _scaled(a3, enc)
+        if SR:
+            seed = tl.load(seed_ptr)
+            r0, r1, r2, r3 = _sr_words(seed, rows[:, None] * K16 + blks[None, :])
+            g0 = _e2m1_sr_grid(y0, _sr_word_offsets(r0))
+            g1 = _e2m1_sr_grid(y1, _sr_word_offsets(r1))
+            g2 = _e2m1_sr_grid(y2, _sr_word_offsets(r2))
+            g3 = _e2m1_sr_grid(y3, _sr_word_offsets(r3))
+            magic = 12582912.0
+        else:
+            g0 = _e2m1_rne_grid(y0)
+            g1 = _e2m1_rne_grid(y1)
+            g2 = _e2m1_rne_grid(y2)
+            g3 = _e2m1_rne_grid(y3)
+            magic = 8388608.0
+        sfb = sfv[:, :, None]
+        vptrs = v32_ptr + rows[:, None, None] * v32_rs + (blks * 8)[None, :, None] + e4[None, None, :]
+        _store(vptrs, _pair_words(_grid_value_bits(g0, magic, y0, sfb), _grid_value_bits(g1, magic, y1, sfb)),
+               m3, EVEN)
+        _store(vptrs + 4, _pair_words(_grid_value_bits(g2, magic, y2, sfb), _grid_value_bits(g3, magic, y3, sfb)),
+               m3, EVEN)
+        return
     if SR:
         seed = tl.load(seed_ptr)
         r0, r1, r2, r3 = _sr_words(seed, rows[:, None] * K16 + blks[None, :])  # one draw per block

@@ -296,6 +296,29 @@ def test_block_values_written_with_the_codes(shape, dtype, kw):
             assert torch.equal(q.values_bf16, q.block_values(torch.bfloat16))
 
 
+@pytest.mark.parametrize("shape", [(304, 304), (2048, 2048), (8192, 4096), (8192, 768), (1000, 48)], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_values_only_rowwise_copy_on_gpu(shape, dtype, rounding):
+    """The compiled values-only rowwise kernel (``CODES=False``: the code kept as a float, no
+    integer codes) writes the same BF16 bits as the kernel that writes the codes too, for the
+    same generator state, with -0.0, zero blocks and TE's thresholds in the input."""
+    x = _x(shape, dtype, seed=31, scale=3.0)
+    x[::7, ::5] = -0.0
+    x[1, :16] = 0.0
+    x[2, 16:32] = -0.0
+    t = torch.tensor([0.25, 0.75, 1.25, 1.75, 2.5, 3.5, 5.0, 6.0], device=DEV)
+    x[3, :16] = torch.cat([t, -t]).to(dtype)
+    x[4, :] *= 1e-30
+    rht = shape[0] % 16 == 0
+    g1, g2 = SRStream(9, DEV), SRStream(9, DEV)
+    row, col = pair(x, rht=rht, rounding=rounding, generator=g1, values=(True, True))
+    row_v, col_v = pair(x, rht=rht, rounding=rounding, generator=g2, values=("only", True))
+    assert row_v.data is None
+    assert torch.equal(row_v.values_bf16.view(torch.int16), row.values_bf16.view(torch.int16))
+    _same(col_v, col)
+
+
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_gemm_epilogue_bit_exact(out_dtype):
     """alpha, bias and the cast in one kernel == the reference's FP32 torch ops on the same acc."""
