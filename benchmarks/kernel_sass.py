@@ -108,7 +108,7 @@ def cases():
               amaxt_ptr="*fp32:D", seed_ptr="*i64:D", d_ptr="*u8:D", s_ptr="*u8:D", dt32_ptr="*i32:D", st_ptr="*u8:D",
               v_ptr="*i16:D", vt_ptr="*i16:D", d_rs="i32:D", s_rs="i32:D", dt32_rs="i32:D", st_rs="i32:D",
               v_rs="i32:D", vt_rs="i32:D", inv6="fp32", SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True,
-              REVERSE=False, E2M1_BITS=True, EVEN=True, I64=False)
+              REVERSE=False, E2M1_BITS=True, EVEN=True, I64=False, COL_CODES=True)
     out = {}
     for name, key, kw in [("rowwise 1x16 RNE", "rows", dict(SR=False, VALUES=False)),
                           ("rowwise 1x16 SR", "rows", dict(SR=True, VALUES=False)),
@@ -123,6 +123,8 @@ def cases():
     for name, key, kw in [("columnwise RHT RNE", "slices_col", dict(col, VALUES_COL=False, SR=False)),
                           ("columnwise RHT RNE + values", "slices_col", dict(col, VALUES_COL=True, SR=False)),
                           ("columnwise RHT SR + values", "slices_col_sr", dict(col, VALUES_COL=True, SR=True)),
+                          ("columnwise RHT SR values only", "slices_col_sr",
+                           dict(col, VALUES_COL=True, SR=True, COL_CODES=False)),
                           ("2D 16x16 row+col + values", "slices2d",
                            dict(VALUES_ROW=True, VALUES_COL=False, ROW=True, COL=True, COL_RHT=False, BLOCK2D=True,
                                 SR=False))]:

@@ -278,7 +278,7 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
     ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies. ``values``: ask
     for the BF16 block values of the (rowwise, columnwise) copy along with it: for the copies a GEMM
     uses at once, not for those saved for the backward pass (which stay packed, 4.5 bits a value);
-    ``"only"``: the values may come without the codes (the rowwise Fprop and Dgrad operands; not
+    ``"only"``: the values may come without the codes (Fprop's X, Dgrad's and Wgrad's dY; not
     while GEMM operands are being recorded, which shows them their codes).
     ``col_out``: (data, scale, amax) for the columnwise copy to be written into (only the default
     quantizer's ``quantize_pair`` takes it: the packed forward runs only with it), or None.
@@ -431,7 +431,7 @@ def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torc
     pdy = None
     if need_dgrad or need_wgrad:
         pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
-                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, ("only", True))
+                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, ("only", "only"))
     if pdy is not None:
         qdy, qdyt = pdy
     elif (need_dgrad or need_wgrad) and bool(torch.isnan(dy).any()):

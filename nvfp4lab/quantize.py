@@ -834,11 +834,12 @@ def quantize_rowwise_columnwise(
         values: (rowwise, columnwise): also keep that copy's BF16 block values
             (:attr:`NVFP4Tensor.values_bf16`) where the kernel that runs can write them
             (rowwise 1×16 with ``K % 16 == 0`` or 2D; columnwise ``M % 16 == 0``); the GEMM then
-            skips a decode pass. Not part of the format. ``"only"`` for the rowwise copy: its values
-            without its codes and scales (the copy's ``data`` and ``scale`` None), where the kernel
-            that runs makes them so (rowwise 1×16, ``K % 16 == 0``: the same values, fewer
-            instructions and bytes); elsewhere ``"only"`` is ``True``. For an operand a GEMM uses
-            at once (the layer's Fprop X and Dgrad dY).
+            skips a decode pass. Not part of the format. ``"only"``: that copy's values without
+            its codes and scales (its ``data`` and ``scale`` None), where the kernel that runs
+            makes them so (1×16 blocks: rowwise with ``K % 16 == 0``, columnwise with
+            ``M % 16 == 0`` and no ``col_out``; the same values, fewer instructions and bytes);
+            elsewhere ``"only"`` is ``True``. For an operand a GEMM uses at once (the layer's
+            Fprop X, and dY for Dgrad and Wgrad).
         fallback: where the kernels do not cover the pair, make it with :func:`quantize`
             (default) or return ``None`` (for a caller with its own fallback).
         col_out: ``(data, scale, amax)`` tensors for the columnwise copy (``uint8 [K, ceil(M/2)]``,
@@ -902,7 +903,7 @@ def quantize_rowwise_columnwise(
     block, rounding, col_rht, mask = args
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
-        generator=generator, values=(values[0], bool(values[1])),
+        generator=generator, values=tuple(values),
         col_out=None if col_out is None else col_out[:2], values_out=None if values_t is None else values_t.t(),
         amax_out=amax_out)
     if col_out is not None:

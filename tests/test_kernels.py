@@ -439,36 +439,41 @@ def _with_specials(x):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kw", [dict(), dict(rht=True), dict(rht=True, rounding="stochastic")],
                          ids=["1d", "1d-rht", "1d-rht-sr"])
-def test_values_only_rowwise_copy(shape, dtype, kw):
-    """values=("only", ...): the rowwise copy holds its BF16 block values alone (no codes, no
+def test_values_only_copies(shape, dtype, kw):
+    """values=("only", "only"): both copies hold their BF16 block values alone (no codes, no
     scales), bit-identical to the values written with the codes (the same generator state for SR)
-    and to block_values() of those codes; the columnwise copy and the GEMM are unchanged; what
-    needs the codes raises."""
+    and to block_values() of those codes; the GEMMs are unchanged; what needs the codes raises."""
     x = _with_specials(_x(shape, dtype, seed=23))
     g1, g2 = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
     row, col = pair(x, values=(True, True), generator=g1, **kw)
-    row_v, col_v = pair(x, values=("only", True), generator=g2, **kw)
-    assert row_v.data is None and row_v.scale is None
-    assert torch.equal(row_v.values_bf16.view(torch.int16), row.values_bf16.view(torch.int16))
-    with kernels.disabled():
-        assert torch.equal(row_v.values_bf16.view(torch.int16), row.block_values(torch.bfloat16).view(torch.int16))
-    assert_nvfp4_equal(col_v, col)
-    assert torch.equal(row_v.amax, row.amax) and row_v.device == row.device
-    assert torch.equal(row_v.block_values(torch.float32), row.block_values(torch.float32))
+    row_v, col_v = pair(x, values=("only", "only"), generator=g2, **kw)
+    for q, q_v in ((row, row_v), (col, col_v)):
+        assert q_v.data is None and q_v.scale is None
+        assert torch.equal(q_v.values_bf16.view(torch.int16), q.values_bf16.view(torch.int16))
+        with kernels.disabled():
+            assert torch.equal(q_v.values_bf16.view(torch.int16), q.block_values(torch.bfloat16).view(torch.int16))
+        assert torch.equal(q_v.amax, q.amax) and q_v.device == q.device
+        assert q_v.rht == q.rht and q_v.shape == q.shape
+        assert torch.equal(q_v.block_values(torch.float32), q.block_values(torch.float32))
+        for call in (q_v.codes, q_v.dequantize, lambda: q_v.rowwise_scale):
+            with pytest.raises(ValueError, match="holds only its BF16 block values"):
+                call()
+        repr(q_v)
     w = fast(_x((40, shape[1]), torch.float32, seed=24), block="2d")
     assert torch.equal(nvfp4_matmul(row_v, w, out_dtype=torch.bfloat16), nvfp4_matmul(row, w, out_dtype=torch.bfloat16))
-    for call in (row_v.codes, row_v.dequantize, lambda: row_v.rowwise_scale):
-        with pytest.raises(ValueError, match="holds only its BF16 block values"):
-            call()
-    repr(row_v)
+    _, xt = pair(_x((40, shape[0]), torch.float32, seed=26).t().contiguous(), rht=kw.get("rht", False))
+    assert torch.equal(nvfp4_matmul(col_v, xt), nvfp4_matmul(col, xt))   # a Wgrad GEMM
 
 
 def test_values_only_falls_back_to_codes_and_checks_its_argument():
-    """Where the kernel that makes the rowwise copy writes codes anyway (2D blocks), "only" is True;
-    a values argument that is not a pair of False / True / "only" is refused by name."""
+    """Where the kernel that makes a copy writes codes anyway (2D blocks; a columnwise copy with
+    M % 16 != 0, made by the tile kernel), "only" is True; a values argument that is not a pair of
+    False / True / "only" is refused by name."""
     x = _x((32, 64), torch.float32, seed=25)
     row, _ = pair(x, values=("only", False), block="2d")
     assert row.data is not None and torch.equal(row.values_bf16, row.block_values(torch.bfloat16))
+    _, col = pair(_x((40, 64), torch.float32, seed=25), values=(False, "only"))
+    assert col.data is not None
     for bad in (("yes", False), (True,), "only"):
         with pytest.raises(ValueError, match="values must be a pair of False, True or 'only'"):
             pair(x, values=bad)

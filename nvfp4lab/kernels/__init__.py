@@ -606,14 +606,16 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
          on_amax: Callable[[torch.Tensor], Any] | None = None,
          col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
-         amax_out: torch.Tensor | None = None, row_codes: bool = True):
+         amax_out: torch.Tensor | None = None, row_codes: bool = True, col_codes: bool = True):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
     kernel that runs can (the one-block-per-thread rowwise kernel, the 16-slice kernel); the
     last two results are those tensors or ``None``. ``row_codes=False`` (with ``values[0]``):
     leave out the rowwise codes and scales where the one-block-per-thread kernel makes that copy
-    (:func:`_rows_kernel_runs`); ``data`` and ``scale`` are then None. ``on_amax``: called with the rowwise amax
+    (:func:`_rows_kernel_runs`); ``data`` and ``scale`` are then None. ``col_codes=False`` (with
+    ``values[1]``, without ``col_out``): the same for the columnwise copy where the 16-slice kernel
+    makes it with 1x16 blocks (``data_t`` and ``scale_t`` None). ``on_amax``: called with the rowwise amax
     (the columnwise one without ``row``) once the amax kernel is launched, when it runs.
     ``col_out``: (codes, scales as uint8) for the columnwise copy to be written into, checked by
     :func:`check_col_out`, or None for new tensors. ``values_out``: a contiguous BF16 [M, K] tensor
@@ -664,13 +666,16 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     split = row and col and not block2d and not opts.fuse_row_col   # two kernels: rowwise, then columnwise
     rows_kernel = row and (split or not col) and _rows_kernel_runs(x2, opts, row_rht, block2d)
     row_codes = row_codes or not (values[0] and rows_kernel)
+    slices_col = (col and not block2d and opts.slices and M % 16 == 0
+                  and not (row and not split and row_rht))   # where launch() runs the 16-slice kernel for it
+    col_codes = col_codes or not (values[1] and slices_col) or col_out is not None
     d = torch.empty(M, Kh, dtype=u8, device=dev) if row and row_codes else None
     s = torch.empty((M16 if block2d else M), K16, dtype=u8, device=dev) if row and row_codes else None
     if col and col_out is not None:
         dt, st = col_out
     else:
-        dt = torch.empty(K, Mh, dtype=u8, device=dev) if col else None
-        st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col else None
+        dt = torch.empty(K, Mh, dtype=u8, device=dev) if col and col_codes else None
+        st = torch.empty((K16 if block2d else K), M16, dtype=u8, device=dev) if col and col_codes else None
     seeds = _seeds(generator, dev) if sr else buf  # buf: a dummy pointer when not SR
     dummy = buf
     out_v: list = [None, None]
@@ -697,13 +702,14 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
             _launch(k.quantize_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),),
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
-                d if row_ else dummy, s if row_ else dummy, dt.view(torch.int32), st,
+                d if row_ else dummy, s if row_ else dummy, dummy.view(torch.int32) if dt is None else dt.view(torch.int32),
+                dummy.view(u8) if st is None else st,
                 dummy if v is None else v.view(torch.int16), dummy if vt is None else vt.view(torch.int16),
                 Kh, K16, Mh // 4, M16, K, M, _INV6, VALUES_ROW=v is not None, VALUES_COL=vt is not None,
                 ROW=row_, COL=col_, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
-                EVEN=even(16 * G, BK), I64=i64, num_warps=cfg["num_warps"])
+                EVEN=even(16 * G, BK), I64=i64, COL_CODES=col_codes or not col_, num_warps=cfg["num_warps"])
             if v is not None:
                 out_v[0] = v
             out_v[1] = vt
@@ -864,10 +870,12 @@ def quantize_rowwise_columnwise(
     Args:
         values: (rowwise, columnwise): also write that copy's BF16 block values where the kernel
             that runs can (rowwise: 1x16 with ``K % 16 == 0``, or 2D; columnwise: ``M % 16 == 0``).
-            ``"only"`` for the rowwise copy: its values alone, without its codes and scales
-            (``data`` and ``scale`` None), where the one-block-per-thread kernel makes it (1x16,
-            ``K % 16 == 0``); elsewhere ``"only"`` is ``True``. The values are the same bits
-            (``quantize_rows_kernel``'s ``CODES=False``). For an operand a GEMM uses at once.
+            ``"only"``: that copy's values alone, without its codes and scales (``data`` and
+            ``scale``, or ``data_t`` and ``scale_t``, None), where the kernel that makes it can:
+            the one-block-per-thread rowwise kernel (1x16, ``K % 16 == 0``) and the 16-slice
+            columnwise kernel (1x16, ``M % 16 == 0``, no ``col_out``); elsewhere ``"only"`` is
+            ``True``. The values are the same bits (``CODES=False`` / ``COL_CODES=False``). For
+            an operand a GEMM uses at once.
         col_out: (codes, block scales) tensors the columnwise copy is written into (contiguous,
             16-byte aligned, the shapes below; scales as ``uint8`` or ``float8_e4m3fn``), or None
             for new ones: a caller that keeps the copy in a buffer of its own saves a copy pass.
@@ -903,7 +911,8 @@ def quantize_rowwise_columnwise(
     d, s, am, dt, st, amt, v, vt = _run(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
         generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
-        col_out=col_out, values_out=values_out, amax_out=amax_out, row_codes=values[0] != "only")
+        col_out=col_out, values_out=values_out, amax_out=amax_out, row_codes=values[0] != "only",
+        col_codes=values[1] != "only")
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     return d, s, am, dt, st, amt, v, vt

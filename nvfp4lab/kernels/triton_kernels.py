@@ -632,6 +632,17 @@ def _slices_amax_bits(ys):
 
 
 @triton.jit
+def _col_sr_offsets(seed_ptr, cols, gi, M16):
+    """The SR offset uniforms of the 16 slices of a tile's columnwise blocks (:func:`_sr_byte_offsets`):
+    one Philox draw per block, keyed by the columnwise copy's seed (``seed_ptr[1]``), counter
+    ``k * M/16 + block``; slice i takes byte (i % 8) // 2 of word (i // 8)·2 + i % 2."""
+    seed_t = tl.load(seed_ptr + 1)
+    r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
+    return [_sr_byte_offsets(r[(i // 8) * 2 + i % 2], (i % 8) // 2)
+            for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+
+
+@triton.jit
 def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                            d_ptr, s_ptr, dt32_ptr, st_ptr, v_ptr, vt_ptr,
                            d_rs, s_rs, dt32_rs, st_rs, v_rs, vt_rs, inv6,
@@ -640,7 +651,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                            BLOCK2D: tl.constexpr, SR: tl.constexpr, SIGN_MASK: tl.constexpr,
                            RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
                            G: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, E2M1_BITS: tl.constexpr,
-                           EVEN: tl.constexpr, I64: tl.constexpr):
+                           EVEN: tl.constexpr, I64: tl.constexpr, COL_CODES: tl.constexpr = True):
     """Rowwise and/or columnwise quantization of x [M, K] (M % 16 == 0) from one read.
 
     The tile (16·G rows × BK columns) is loaded as 16 slices ``xs[i] = x[16g + i, k]`` of shape
@@ -653,7 +664,9 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     ``v`` [M, K] and of the columnwise copy to ``vt`` [K, M] (int16 bits). The columnwise outputs
     are stored row by row: row k of ``dt``, ``st`` and ``vt`` gets the tile's G blocks side by side
     (2·G words, G scales, 16·G values) in one row segment, rather than one piece per thread and
-    row (5% faster on an H200 at 8192², commit 908a420).
+    row (5% faster on an H200 at 8192², commit 908a420). With VALUES_COL and not COL_CODES (1x16
+    blocks) the columnwise copy is its values alone, made as the rowwise kernel's CODES=False
+    makes them (:func:`_grid_value_bits`): no codes, no scales.
     """
     BM: tl.constexpr = 16 * G
     xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, REVERSE, EVEN, I64)
@@ -717,20 +730,26 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         sf = tl.minimum(tl.minimum(bm * mult_t, FLT_MAX), 448.0)
         sfv, sfc = _e4m3_rne(sf)
         enc = tl.minimum(_div_rn(1.0, sfv * s_dec_t), FLT_MAX)
-        _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8),
-               (cols[:, None] < K) & (gi[None, :] < M16), EVEN)
-        if SR:
-            seed_t = tl.load(seed_ptr + 1)
-            r = _sr_words(seed_t, cols[None, :] * M16 + gi[:, None])  # one draw per columnwise block
-            us = [_sr_byte_offsets(r[(i // 8) * 2 + i % 2], (i % 8) // 2)
-                  for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-            ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
-                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        if COL_CODES or not VALUES_COL:
+            _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8),
+                   (cols[:, None] < K) & (gi[None, :] < M16), EVEN)
+        if COL_CODES or not VALUES_COL:
+            if SR:
+                us = _col_sr_offsets(seed_ptr, cols, gi, M16)
+                ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
+                          for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            else:
+                ccodes = [_e2m1_rne_fast(ys[i] * enc)
+                          for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            if VALUES_COL:
+                cvals = [_values_bits(ccodes[i], sfv) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        elif SR:   # the values alone (as quantize_rows_kernel's CODES=False)
+            us = _col_sr_offsets(seed_ptr, cols, gi, M16)
+            cvals = [_grid_values_bits(_scaled(ys[i], enc), us[i], sfv, True)
+                     for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         else:
-            ccodes = [_e2m1_rne_fast(ys[i] * enc)
-                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        if VALUES_COL:
-            cvals = [_values_bits(ccodes[i], sfv) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+            cvals = [_grid_values_bits(_scaled(ys[i], enc), 0.0, sfv, False)
+                     for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     if COL and VALUES_COL:
         if BLOCK2D:
             cvals = rvals
@@ -744,7 +763,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         vcol = pm * (16 * G) + tl.arange(0, 16 * G)
         _store(vt_ptr + cols[:, None] * vt_rs + vcol[None, :], vrow,
                (cols[:, None] < K) & (vcol[None, :] < M), EVEN)
-    if COL:
+    if COL and (COL_CODES or BLOCK2D or not VALUES_COL):
         w0 = ccodes[0]
         w1 = ccodes[8]
         for i in tl.static_range(1, 8):
@@ -886,6 +905,17 @@ def _grid_value_bits(g, magic, y, sfv):
     c = g - magic
     v = tl.maximum(tl.maximum(c * (0.5 * sfv), tl.fma(c, sfv, -2.0 * sfv)), tl.fma(c, 2.0 * sfv, -8.0 * sfv))
     return v.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)
+
+
+@triton.jit
+def _grid_values_bits(y, u, sfv, SR: tl.constexpr):
+    """The BF16 block values of the scaled values ``y`` (from :func:`_scaled`) as int16 bits, RNE or
+    SR (``u``: :func:`_e2m1_sr_fast`'s offsets), without codes (:func:`_grid_value_bits`)."""
+    if SR:
+        v = _grid_value_bits(_e2m1_sr_grid(y, u), 12582912.0, y, sfv)
+    else:
+        v = _grid_value_bits(_e2m1_rne_grid(y), 8388608.0, y, sfv)
+    return (v >> 16).to(tl.int16)
 
 
 @triton.jit

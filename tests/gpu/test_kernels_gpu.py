@@ -299,10 +299,11 @@ def test_block_values_written_with_the_codes(shape, dtype, kw):
 @pytest.mark.parametrize("shape", [(304, 304), (2048, 2048), (8192, 4096), (8192, 768), (1000, 48)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
-def test_values_only_rowwise_copy_on_gpu(shape, dtype, rounding):
-    """The compiled values-only rowwise kernel (``CODES=False``: the code kept as a float, no
-    integer codes) writes the same BF16 bits as the kernel that writes the codes too, for the
-    same generator state, with -0.0, zero blocks and TE's thresholds in the input."""
+def test_values_only_copies_on_gpu(shape, dtype, rounding):
+    """The compiled values-only kernels (rowwise ``CODES=False``, columnwise ``COL_CODES=False``:
+    the code kept as a float, no integer codes) write the same BF16 bits as the kernels that write
+    the codes too, for the same generator state, with -0.0, zero blocks and TE's thresholds in the
+    input (the columnwise copy with the RHT where M % 16 == 0)."""
     x = _x(shape, dtype, seed=31, scale=3.0)
     x[::7, ::5] = -0.0
     x[1, :16] = 0.0
@@ -313,10 +314,13 @@ def test_values_only_rowwise_copy_on_gpu(shape, dtype, rounding):
     rht = shape[0] % 16 == 0
     g1, g2 = SRStream(9, DEV), SRStream(9, DEV)
     row, col = pair(x, rht=rht, rounding=rounding, generator=g1, values=(True, True))
-    row_v, col_v = pair(x, rht=rht, rounding=rounding, generator=g2, values=("only", True))
-    assert row_v.data is None
-    assert torch.equal(row_v.values_bf16.view(torch.int16), row.values_bf16.view(torch.int16))
-    _same(col_v, col)
+    row_v, col_v = pair(x, rht=rht, rounding=rounding, generator=g2, values=("only", "only"))
+    if not rht:   # M % 16 != 0: the tile kernel makes the columnwise copy, codes and no values
+        assert col_v.data is not None and col_v.values_bf16 is None and col.values_bf16 is None
+        _same(col_v, col)
+    for q, q_v in ((row, row_v), (col, col_v)) if rht else ((row, row_v),):
+        assert q_v.data is None
+        assert torch.equal(q_v.values_bf16.view(torch.int16), q.values_bf16.view(torch.int16))
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
