@@ -733,7 +733,6 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         if COL_CODES or not VALUES_COL:
             _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8),
                    (cols[:, None] < K) & (gi[None, :] < M16), EVEN)
-        if COL_CODES or not VALUES_COL:
             if SR:
                 us = _col_sr_offsets(seed_ptr, cols, gi, M16)
                 ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
@@ -938,7 +937,7 @@ def _rows_values_words(c_even, c_odd, sfv):
     the BF16 tensor (even element in the low half)."""
     ve = (_e2m1_decode_bits(c_even).to(tl.float32, bitcast=True) * sfv).to(tl.uint32, bitcast=True)
     vo = (_e2m1_decode_bits(c_odd).to(tl.float32, bitcast=True) * sfv).to(tl.uint32, bitcast=True)
-    return ((ve >> 16) | (vo & 0xFFFF0000)).to(tl.int32, bitcast=True)
+    return _pair_words(ve, vo)
 
 
 @triton.jit
