@@ -666,8 +666,12 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     split = row and col and not block2d and not opts.fuse_row_col   # two kernels: rowwise, then columnwise
     rows_kernel = row and (split or not col) and _rows_kernel_runs(x2, opts, row_rht, block2d)
     row_codes = row_codes or not (values[0] and rows_kernel)
-    slices_col = (col and not block2d and opts.slices and M % 16 == 0
-                  and not (row and not split and row_rht))   # where launch() runs the 16-slice kernel for it
+
+    def uses_slices(row_: bool, col_: bool) -> bool:
+        """Whether :func:`launch` ``(row_, col_)`` runs the 16-slice kernel."""
+        return opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
+
+    slices_col = col and not block2d and uses_slices(row and not split, True)   # launch()'s kernel for that copy
     col_codes = col_codes or not (values[1] and slices_col) or col_out is not None
     d = torch.empty(M, Kh, dtype=u8, device=dev) if row and row_codes else None
     s = torch.empty((M16 if block2d else M), K16, dtype=u8, device=dev) if row and row_codes else None
@@ -693,8 +697,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                          sr=sr, values=v is not None, after_amax=reverse, i64=i64, codes=row_codes)
             out_v[0] = v
             return
-        use_slices = opts.slices and col_ and M % 16 == 0 and not (row_ and row_rht) and not (block2d and sr)
-        if use_slices:
+        if uses_slices(row_, col_):
             mode = "slices2d" if block2d else ("slices_both" if row_ else ("slices_col_sr" if sr else "slices_col"))
             cfg = config[mode]
             G, BK = cfg["G"], cfg["BK"]

@@ -733,7 +733,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
         if COL_CODES or not VALUES_COL:
             _store(st_ptr + cols[:, None] * st_rs + gi[None, :], tl.trans(sfc).to(tl.uint8),
                    (cols[:, None] < K) & (gi[None, :] < M16), EVEN)
-            if SR:
+            if SR:   # drawn after the scales' store (before it, ptxas gives the kernel 128 registers, not 96)
                 us = _col_sr_offsets(seed_ptr, cols, gi, M16)
                 ccodes = [_e2m1_sr_fast(ys[i] * enc, us[i])
                           for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
@@ -742,12 +742,12 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                           for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
             if VALUES_COL:
                 cvals = [_values_bits(ccodes[i], sfv) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-        elif SR:   # the values alone (as quantize_rows_kernel's CODES=False)
+        elif SR:   # the values alone (as quantize_rows_kernel's CODES=False), as int16 bits
             us = _col_sr_offsets(seed_ptr, cols, gi, M16)
-            cvals = [_grid_values_bits(_scaled(ys[i], enc), us[i], sfv, True)
+            cvals = [(_grid_values_bits(_scaled(ys[i], enc), us[i], sfv, True) >> 16).to(tl.int16)
                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
         else:
-            cvals = [_grid_values_bits(_scaled(ys[i], enc), 0.0, sfv, False)
+            cvals = [(_grid_values_bits(_scaled(ys[i], enc), 0.0, sfv, False) >> 16).to(tl.int16)
                      for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     if COL and VALUES_COL:
         if BLOCK2D:
@@ -908,13 +908,12 @@ def _grid_value_bits(g, magic, y, sfv):
 
 @triton.jit
 def _grid_values_bits(y, u, sfv, SR: tl.constexpr):
-    """The BF16 block values of the scaled values ``y`` (from :func:`_scaled`) as int16 bits, RNE or
-    SR (``u``: :func:`_e2m1_sr_fast`'s offsets), without codes (:func:`_grid_value_bits`)."""
+    """The BF16 block values of the scaled values ``y`` (from :func:`_scaled`) as float32 bits
+    (uint32; exact in BF16), RNE or SR (``u``: :func:`_e2m1_sr_fast`'s offsets, not read for RNE),
+    without codes (:func:`_grid_value_bits`)."""
     if SR:
-        v = _grid_value_bits(_e2m1_sr_grid(y, u), 12582912.0, y, sfv)
-    else:
-        v = _grid_value_bits(_e2m1_rne_grid(y), 8388608.0, y, sfv)
-    return (v >> 16).to(tl.int16)
+        return _grid_value_bits(_e2m1_sr_grid(y, u), 12582912.0, y, sfv)
+    return _grid_value_bits(_e2m1_rne_grid(y), 8388608.0, y, sfv)
 
 
 @triton.jit
@@ -1005,47 +1004,37 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
     sfv, sfc = _e4m3_rne(sf)
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)[:, :, None]
+    if SR:   # one draw per block: the offsets of its four words' bytes, one word per quarter
+        seed = tl.load(seed_ptr)
+        r0, r1, r2, r3 = _sr_words(seed, rows[:, None] * K16 + blks[None, :])
+        u0 = _sr_word_offsets(r0)
+        u1 = _sr_word_offsets(r1)
+        u2 = _sr_word_offsets(r2)
+        u3 = _sr_word_offsets(r3)
+    else:   # (not read by RNE)
+        u0 = 0.0
+        u1 = 0.0
+        u2 = 0.0
+        u3 = 0.0
+    sfb = sfv[:, :, None]
+    vptrs = v32_ptr + rows[:, None, None] * v32_rs + (blks * 8)[None, :, None] + e4[None, None, :]   # BF16 values
     if not CODES:   # the BF16 values alone, from the codes in the float domain
-        y0 = _scaled(a0, enc)
-        y1 = _scaled(a1, enc)
-        y2 = _scaled(a2, enc)
-        y3 = _scaled(a3, enc)
-        if SR:
-            seed = tl.load(seed_ptr)
-            r0, r1, r2, r3 = _sr_words(seed, rows[:, None] * K16 + blks[None, :])
-            g0 = _e2m1_sr_grid(y0, _sr_word_offsets(r0))
-            g1 = _e2m1_sr_grid(y1, _sr_word_offsets(r1))
-            g2 = _e2m1_sr_grid(y2, _sr_word_offsets(r2))
-            g3 = _e2m1_sr_grid(y3, _sr_word_offsets(r3))
-            magic = 12582912.0
-        else:
-            g0 = _e2m1_rne_grid(y0)
-            g1 = _e2m1_rne_grid(y1)
-            g2 = _e2m1_rne_grid(y2)
-            g3 = _e2m1_rne_grid(y3)
-            magic = 8388608.0
-        sfb = sfv[:, :, None]
-        vptrs = v32_ptr + rows[:, None, None] * v32_rs + (blks * 8)[None, :, None] + e4[None, None, :]
-        _store(vptrs, _pair_words(_grid_value_bits(g0, magic, y0, sfb), _grid_value_bits(g1, magic, y1, sfb)),
-               m3, EVEN)
-        _store(vptrs + 4, _pair_words(_grid_value_bits(g2, magic, y2, sfb), _grid_value_bits(g3, magic, y3, sfb)),
-               m3, EVEN)
+        _store(vptrs, _pair_words(_grid_values_bits(_scaled(a0, enc), u0, sfb, SR),
+                                  _grid_values_bits(_scaled(a1, enc), u1, sfb, SR)), m3, EVEN)
+        _store(vptrs + 4, _pair_words(_grid_values_bits(_scaled(a2, enc), u2, sfb, SR),
+                                      _grid_values_bits(_scaled(a3, enc), u3, sfb, SR)), m3, EVEN)
         return
     if SR:
-        seed = tl.load(seed_ptr)
-        r0, r1, r2, r3 = _sr_words(seed, rows[:, None] * K16 + blks[None, :])  # one draw per block
-        c0 = _e2m1_sr_fast(a0 * enc, _sr_word_offsets(r0))
-        c1 = _e2m1_sr_fast(a1 * enc, _sr_word_offsets(r1))
-        c2 = _e2m1_sr_fast(a2 * enc, _sr_word_offsets(r2))
-        c3 = _e2m1_sr_fast(a3 * enc, _sr_word_offsets(r3))
+        c0 = _e2m1_sr_fast(a0 * enc, u0)
+        c1 = _e2m1_sr_fast(a1 * enc, u1)
+        c2 = _e2m1_sr_fast(a2 * enc, u2)
+        c3 = _e2m1_sr_fast(a3 * enc, u3)
     else:
         c0 = _e2m1_rne_fast(a0 * enc)
         c1 = _e2m1_rne_fast(a1 * enc)
         c2 = _e2m1_rne_fast(a2 * enc)
         c3 = _e2m1_rne_fast(a3 * enc)
     if VALUES:
-        sfb = sfv[:, :, None]
-        vptrs = v32_ptr + rows[:, None, None] * v32_rs + (blks * 8)[None, :, None] + e4[None, None, :]
         _store(vptrs, _rows_values_words(c0, c1, sfb), m3, EVEN)
         _store(vptrs + 4, _rows_values_words(c2, c3, sfb), m3, EVEN)
     sh = (e4 * 8)[None, None, :]
