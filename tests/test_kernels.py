@@ -465,6 +465,22 @@ def test_values_only_copies(shape, dtype, kw):
     assert torch.equal(nvfp4_matmul(col_v, xt), nvfp4_matmul(col, xt))   # a Wgrad GEMM
 
 
+def test_slices_pattern_probe_writes_the_transpose():
+    """``benchmarks/slices_parts.py``'s probe, the 16-slice kernel's loads and its values'
+    transposed stores (the kernel's own helpers) without arithmetic, writes exactly xᵀ: whole and
+    partial tiles; other shapes raise."""
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    from benchmarks.slices_parts import transpose_by_pattern
+    for M, K, cfg in [(64, 128, dict(G=4, BK=64, num_warps=4)), (48, 80, dict(G=2, BK=32, num_warps=2))]:
+        x = torch.randn(M, K).to(torch.bfloat16)
+        vt = torch.full((K, M), float("nan"), dtype=torch.bfloat16)
+        transpose_by_pattern(x, vt, cfg)
+        assert torch.equal(vt.view(torch.int16), x.t().contiguous().view(torch.int16)), (M, K, cfg)
+    with pytest.raises(ValueError, match="M % 16"):
+        transpose_by_pattern(torch.zeros(40, 32, dtype=torch.bfloat16), torch.zeros(32, 40, dtype=torch.bfloat16),
+                             dict(G=1, BK=32, num_warps=1))
+
+
 def test_values_only_falls_back_to_codes_and_checks_its_argument():
     """Where the kernel that makes a copy writes codes anyway (2D blocks; a columnwise copy with
     M % 16 != 0, made by the tile kernel), "only" is True; a values argument that is not a pair of

@@ -643,6 +643,22 @@ def _col_sr_offsets(seed_ptr, cols, gi, M16):
 
 
 @triton.jit
+def _store_slices_transposed(vt_ptr, vt_rs, vs, cols, pm, M, K, G: tl.constexpr, BK: tl.constexpr,
+                             EVEN: tl.constexpr):
+    """Store 16 slices ``vs[i]`` [G, BK] (element (g, k) of slice i belongs to row 16g + i of tile
+    pm, column ``cols[k]``) transposed, into ``vt`` [K, M] (row stride ``vt_rs``): row k of ``vt``
+    gets the tile's G blocks' 16 values side by side (16·G contiguous elements), one coalesced row
+    segment instead of one 32-byte piece per thread and row."""
+    # one [G, BK, 16] tensor: element (g, k, i) = vs[i][g, k], the value of xᵀ[k, 16g + i]
+    p = [tl.join(vs[2 * j], vs[2 * j + 1]) for j in (0, 1, 2, 3, 4, 5, 6, 7)]
+    q = [tl.join(p[2 * j], p[2 * j + 1]) for j in (0, 1, 2, 3)]
+    r = [tl.join(q[2 * j], q[2 * j + 1]) for j in (0, 1)]
+    vrow = tl.reshape(tl.permute(tl.join(r[0], r[1]), (1, 0, 5, 4, 3, 2)), (BK, 16 * G))
+    vcol = pm * (16 * G) + tl.arange(0, 16 * G)
+    _store(vt_ptr + cols[:, None] * vt_rs + vcol[None, :], vrow, (cols[:, None] < K) & (vcol[None, :] < M), EVEN)
+
+
+@triton.jit
 def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                            d_ptr, s_ptr, dt32_ptr, st_ptr, v_ptr, vt_ptr,
                            d_rs, s_rs, dt32_rs, st_rs, v_rs, vt_rs, inv6,
@@ -752,16 +768,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     if COL and VALUES_COL:
         if BLOCK2D:
             cvals = rvals
-        # one [G, BK, 16] tensor: element (g, k, i) = value of xᵀ[k, 16g + i]
-        p = [tl.join(cvals[2 * j], cvals[2 * j + 1]) for j in (0, 1, 2, 3, 4, 5, 6, 7)]
-        q = [tl.join(p[2 * j], p[2 * j + 1]) for j in (0, 1, 2, 3)]
-        r = [tl.join(q[2 * j], q[2 * j + 1]) for j in (0, 1)]
-        # row k of the values: the G blocks' 16 values side by side (16·G contiguous int16), one
-        # coalesced row segment instead of one 32-byte piece per thread and row
-        vrow = tl.reshape(tl.permute(tl.join(r[0], r[1]), (1, 0, 5, 4, 3, 2)), (BK, 16 * G))
-        vcol = pm * (16 * G) + tl.arange(0, 16 * G)
-        _store(vt_ptr + cols[:, None] * vt_rs + vcol[None, :], vrow,
-               (cols[:, None] < K) & (vcol[None, :] < M), EVEN)
+        _store_slices_transposed(vt_ptr, vt_rs, cvals, cols, pm, M, K, G, BK, EVEN)
     if COL and (COL_CODES or BLOCK2D or not VALUES_COL):
         w0 = ccodes[0]
         w1 = ccodes[8]
