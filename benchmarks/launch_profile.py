@@ -3,7 +3,8 @@
 For each public call of :mod:`benchmarks.bench_api` (``quantize`` on 8192² BF16, ``NVFP4Linear``
 forward+backward at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape) it reports, in one run:
 
-* ``kernels``: the GPU kernels one call launches (``torch.profiler``), by name, with their count;
+* ``kernels``: the GPU kernels one call launches (``torch.profiler``), by name, with their count,
+  and ``kernel_us``: their GPU microseconds per call, by name (launched one by one, as below);
 * ``host_us``: the host time of one call, calls issued back to back without synchronizing
   (when it exceeds the GPU time, the call is launch-bound: the GPU waits for Python);
 * ``gpu_us``: the call's GPU time captured in a CUDA graph (:func:`nvfp4lab.timing.graph_ms`);
@@ -41,18 +42,22 @@ from nvfp4lab.timing import graph_ms  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def kernels_per_call(fn: Callable[[], Any]) -> dict[str, int]:
-    """The GPU kernels of one call of ``fn``, name -> count (after warm-up)."""
+def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[dict[str, int], dict[str, float]]:
+    """The GPU kernels of one call of ``fn`` (after warm-up): name -> count, and name -> their GPU
+    microseconds per call (the profiler's kernel durations, averaged over ``calls`` calls)."""
     fn()
     torch.cuda.synchronize()
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        fn()
+        for _ in range(calls):
+            fn()
         torch.cuda.synchronize()
     counts: collections.Counter[str] = collections.Counter()
+    us: collections.Counter[str] = collections.Counter()
     for ev in prof.events():
         if ev.device_type == torch.autograd.DeviceType.CUDA:
             counts[ev.name[:90]] += 1
-    return dict(counts.most_common())
+            us[ev.name[:90]] += ev.device_time / calls
+    return {k: c // calls for k, c in counts.most_common()}, {k: round(v, 2) for k, v in us.most_common()}
 
 
 def top_functions(fn: Callable[[], Any], n: int, calls: int = 50, sort: str = "tottime") -> str:
@@ -103,13 +108,15 @@ def main(argv: list[str] | None = None) -> int:
     for name, fn in calls.items():
         if args.only not in name:
             continue
-        row = {"call": name, "kernels": kernels_per_call(fn), "host_us": host_us(fn), "gpu_us": 1e3 * graph_ms(fn)}
-        row["launches"] = sum(row["kernels"].values())
+        counts, kernel_us = kernels_per_call(fn)
+        row = {"call": name, "kernels": counts, "kernel_us": kernel_us, "host_us": host_us(fn),
+               "gpu_us": 1e3 * graph_ms(fn)}
+        row["launches"] = sum(counts.values())
         rows.append(row)
         print(f"{name}: {row['launches']} launches, host {row['host_us']:.1f} us, GPU {row['gpu_us']:.1f} us",
               flush=True)
         for k, c in row["kernels"].items():
-            print(f"    {c} x {k}")
+            print(f"    {c} x {k}: {kernel_us[k]:.1f} us")
         if args.cprofile:
             print(top_functions(fn, args.cprofile, sort=args.sort), flush=True)
     out = args.out or ROOT / "results" / "launch_profile_cuda.json"
