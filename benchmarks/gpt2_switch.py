@@ -85,6 +85,7 @@ def main(argv: list[str] | None = None) -> int:
                                 "tokens_per_s": res.tokens_per_s, "wall_time_s": res.wall_time_s,
                                 "status": res.status}
         print(f"[gpt2_switch] {name}: val {res.final_val_loss:.4f}, {res.tokens_per_s:,.0f} tok/s", file=sys.stderr)
+        a.out.parent.mkdir(parents=True, exist_ok=True)
         a.out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 

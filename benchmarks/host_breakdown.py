@@ -146,6 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     step_gpu_us = 1e3 * graph_ms(fwd_bwd)
     print(f"{step_gpu_us:9.1f} us  GPU time of NVFP4Linear forward+backward (captured)")
     out = args.out or ROOT / "results" / "host_breakdown_cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": environment(), "command": " ".join(["python", *sys.argv]),
                                "one_core": args.one_core, "cpus": sorted(os.sched_getaffinity(0)),
                                "tokens": M, "K": K, "N": N, "pieces": rows,

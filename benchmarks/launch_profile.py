@@ -120,6 +120,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.cprofile:
             print(top_functions(fn, args.cprofile, sort=args.sort), flush=True)
     out = args.out or ROOT / "results" / "launch_profile_cuda.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"environment": environment(), "calls": rows}, indent=1) + "\n")
     print("wrote", out)
     return 0
