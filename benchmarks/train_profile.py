@@ -9,7 +9,11 @@ nvfp4lab's own Triton kernels (quantize, amax, decode, GEMM scaling), copies on 
 (device-to-device copies and PyTorch copy kernels, among them the layer graphs' copies in and out),
 attention, host transfers (batches in, logged values and checkpoints out: their time depends on the
 host and does not cancel exactly between the two runs) and the rest (element-wise work, layer
-norms, the optimizer). The profiler slows the host, so its runs' tokens/s are not the benchmark's
+norms, the optimizer). Where the two runs did different work outside their extra
+steps (a kind of kernel with negative time per step, a compute kernel launched a fractional number
+of times per step; under ``torch.compile``, Inductor's compile-time kernels or fusions can differ between
+the runs), that precision and mode get a list of ``problems`` and the script exits with status 1
+after writing the file. The profiler slows the host, so its runs' tokens/s are not the benchmark's
 (``bench_api.py``); kernel times are what it measures. Written with provenance to
 ``results/train_profile_<device>.json``.
 """
@@ -77,6 +81,25 @@ def kernel_ms(cfg: TrainConfig) -> tuple[dict[str, float], dict[str, tuple[int, 
     return dict(by_cat), {k: (v[0], v[1]) for k, v in by_name.items()}, result
 
 
+def difference_problems(per_step: dict[str, float], kernels: list[dict[str, Any]], tol_ms: float = 0.05) -> list[str]:
+    """What makes a two-run difference not one of steady steps: a kind of kernel (host transfers
+    aside, whose time depends on the host) with negative time per step, or a compute kernel
+    launched a fractional number of times per step. Both mean the two runs did different work
+    outside their extra steps (under ``torch.compile``: compile-time kernels in one run only, or
+    differently fused kernels). Copies and host transfers may vary from step to step and are not
+    checked for whole counts: the layer graphs copy an input in only when it has moved
+    (:mod:`nvfp4lab.cuda_graphs`), which depends on where the allocator put it. ``per_step``: ms
+    per step by category; ``kernels``: rows with ``name``, ``calls_per_step``, ``ms_per_step``.
+    Returns one sentence per problem (empty: none found)."""
+    ours = _ours()
+    problems = [f"{cat}: {ms:.2f} ms per step (negative)" for cat, ms in per_step.items()
+                if cat != "host transfers" and ms < -tol_ms]
+    problems += [f"{k['name'][:60]}: {k['calls_per_step']:g} calls per step" for k in kernels
+                 if category(k["name"], ours) not in ("host transfers", "copies")
+                 and abs(k["calls_per_step"] - round(k["calls_per_step"])) > 0.01]
+    return problems
+
+
 def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
@@ -91,11 +114,15 @@ def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, An
             per_step = {c: (cat1.get(c, 0.0) - cat0.get(c, 0.0)) / extra for c in sorted(set(cat0) | set(cat1))}
             kernels = sorted(((k, (c - name0.get(k, (0, 0.0))[0]) / extra, (ms - name0.get(k, (0, 0.0))[1]) / extra)
                               for k, (c, ms) in name1.items()), key=lambda r: -r[2])[:20]
+            top = [{"name": k, "calls_per_step": c, "ms_per_step": ms} for k, c, ms in kernels]
             out[precision] = {"kernel_ms_per_step": per_step, "kernel_ms_per_step_total": sum(per_step.values()),
-                              "top_kernels": [{"name": k, "calls_per_step": c, "ms_per_step": ms} for k, c, ms in kernels],
-                              "tokens_per_s": res.tokens_per_s}
+                              "top_kernels": top, "tokens_per_s": res.tokens_per_s,
+                              "problems": difference_problems(per_step, top)}
             print(f"[train_profile] {mode} {precision}", {k: round(v, 2) for k, v in per_step.items()},
                   file=sys.stderr, flush=True)
+            for problem in out[precision]["problems"]:
+                print(f"[train_profile] {mode} {precision}: not a steady-step difference: {problem}",
+                      file=sys.stderr, flush=True)
     return out
 
 
@@ -116,6 +143,11 @@ def main(argv: list[str] | None = None) -> int:
         result["modes"][mode] = profile_mode(mode, args.steps, args.extra, device)
         out.parent.mkdir(parents=True, exist_ok=True)
         out.write_text(json.dumps(result, indent=2) + "\n")
+    bad = [f"{mode} {prec}" for mode, r in result["modes"].items() for prec, v in r.items() if v["problems"]]
+    if bad:
+        print(f"[train_profile] written to {out}, but these differences are not steady steps: {', '.join(bad)} "
+              "(see their 'problems')", file=sys.stderr)
+        return 1
     return 0
 
 
