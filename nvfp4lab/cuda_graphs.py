@@ -19,16 +19,18 @@ signature and replayed:
    on by default), the replay is of an *owned* graph of the caller's own instead. Inputs the caller
    names as steady (``steady``: for the layer all of them: X, the weight and the bias; dY and the
    buffer its forward's graph owns) are read where they are by that graph, not copied, while they
-   stay at the addresses it was captured with (an input that moves gets a new capture a few times;
-   after that it is copied in like the others, into the copying graph's static buffers, which the
-   graph reads), and the SR streams are read and advanced where they are, not through twins. It
-   writes outputs it owns, which the call returns without a copy out. A replay would overwrite
-   what the previous replay returned, so it runs only once no caller holds those outputs any more
-   (their storages' use counts, as ``torch.compile``'s CUDA graph trees track ownership; in
-   training, by a layer's next call the backward has consumed them); otherwise the copies of 2.
-   The outputs stay allocated while the graph is kept, one graph per caller and signature.
-   A caller that passes the same tensors call after call, or whose allocator hands out the same
-   addresses step after step, pays no copy in; one whose activations keep moving pays as in 2.
+   stay at the addresses it was captured with, and the SR streams are read and advanced where they
+   are, not through twins. An input at an address seen for the first time is copied in (into the
+   copying graph's static buffers, which that graph reads); one at an address it has had before
+   gets a graph that reads it there (a few per caller and signature: the allocator hands out a
+   few addresses during warm-up and then settles, or alternates between two). The graphs write
+   outputs the caller's graphs share, which the call returns without a copy out. A replay would
+   overwrite what the previous replay returned, so it runs only once no caller holds those outputs
+   any more (their storages' use counts, as ``torch.compile``'s CUDA graph trees track ownership;
+   in training, by a layer's next call the backward has consumed them); otherwise the copies of 2.
+   The outputs stay allocated while the graphs are kept. A caller that passes the same tensors
+   call after call, or whose allocator hands out the same addresses step after step (or a few in
+   turn), pays no copy in; one whose activations keep moving pays as in 2.
 
 The kernels are the ones the direct call launches, with the same arguments and SR keys, so the
 results are bit-identical to calling the function directly (``tests/gpu/test_capture_gpu.py``).
@@ -80,22 +82,51 @@ def _copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
 
 
 class _Entry:
-    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "refs", "reads", "draws")
+    __slots__ = ("graph", "inputs", "outputs", "twins", "keep", "reads", "draws")
 
-    def __init__(self, graph, inputs, outputs, twins, keep, refs=(), reads=(), draws=None) -> None:
+    def __init__(self, graph, inputs, outputs, twins, keep, reads=(), draws=None) -> None:
         self.graph, self.inputs, self.outputs, self.twins, self.keep = graph, inputs, outputs, twins, keep
-        # owned tier: a weak reference to each output's storage and its use count while only the entry
-        # holds it (more means a caller still holds the output the last replay returned)
-        self.refs = refs
-        # also: (index, address) of each input the graph reads where it is rather than from
+        # owned tier: (index, address) of each input the graph reads where it is rather than from
         # the copying graph's static buffer; the addresses of the SR streams it draws from and
         # advances where they are (None: it draws from its twins)
         self.reads = reads
         self.draws = draws
 
+
+class _Owner:
+    """The owned tier's graphs of one caller and signature: the outputs they all write, and one
+    graph (:class:`_Entry`) per set of addresses it reads in place (``variants``, by ``(reads,
+    draws)``, least recently used first)."""
+    __slots__ = ("outputs", "refs", "variants", "seen", "captures", "last", "drawn", "draws_sr")
+
+    def __init__(self, outputs: tuple, refs: tuple, drawn: tuple[int, ...]) -> None:
+        self.outputs = outputs
+        # the indices of the SR streams the graphs draw from; whether they draw from any (else where
+        # the streams are does not matter)
+        self.drawn, self.draws_sr = drawn, bool(drawn)
+        # a weak reference to each output's storage and its use count while only the graphs hold it
+        # (more means a caller still holds the output the last replay returned)
+        self.refs = refs
+        self.variants: OrderedDict[tuple, _Entry] = OrderedDict()
+        # by steady input index (and "streams"): the addresses seen at this owner's calls, latest last
+        self.seen: dict[int | str, OrderedDict[Any, None]] = {}
+        self.captures = 0
+        self.last: _Entry | None = None   # the graph replayed last
+
     def outputs_free(self) -> bool:
-        """Whether no caller holds an output of this entry's last replay (owned entries)."""
+        """Whether no caller holds an output of the last replay."""
         return all(torch._C._storage_Use_Count(ref.cdata) <= base for ref, base in self.refs)
+
+    def saw(self, where: int | str, address: Any) -> bool:
+        """Whether ``address`` was seen at an earlier call for steady input ``where``; records it
+        (the latest :attr:`GraphedCalls.OWNER_SEEN` per input are kept)."""
+        seen = self.seen.setdefault(where, OrderedDict())
+        known = address in seen
+        seen[address] = None
+        seen.move_to_end(address)
+        while len(seen) > GraphedCalls.OWNER_SEEN:
+            seen.popitem(last=False)
+        return known
 
 
 class GraphedCalls:
@@ -109,9 +140,10 @@ class GraphedCalls:
             ``RuntimeWarning``; :meth:`clear` starts again.
         capture_after: calls of a signature run directly before it is captured (>= 1: the first
             call compiles the kernels outside any capture).
-        max_owned: owned graphs kept (least recently used dropped first, with the outputs they
-            own); after ``2 * max_owned`` captures, besides those for moved inputs, no new one is
-            made. 0 turns the owned tier off.
+        max_owned: callers' own graphs kept, counted per caller and signature (least recently
+            used dropped first, with the outputs they own); after ``2 * max_owned`` such first
+            captures (besides those for moved inputs) no new caller gets one. 0 turns the owned
+            tier off.
 
     Raises:
         ValueError: ``max_entries < 1``, ``capture_after < 1`` or ``max_owned < 0``.
@@ -123,11 +155,9 @@ class GraphedCalls:
                              f"{max_entries}, {capture_after}, {max_owned}")
         self.max_entries, self.capture_after, self.max_owned = max_entries, capture_after, max_owned
         self._entries: OrderedDict[Hashable, _Entry] = OrderedDict()
-        self._owned: OrderedDict[Hashable, _Entry] = OrderedDict()   # by (sig, owner): the owned-outputs tier
+        self._owned: OrderedDict[Hashable, _Owner] = OrderedDict()   # by (sig, owner): the owned-outputs tier
         self._owned_captures = 0
         self._owned_failed: set[Hashable] = set()
-        # by (sig, owner): captures for the moves of each steady input (by index) and of the SR streams ("streams")
-        self._owned_moves: dict[Hashable, dict[int | str, int]] = {}
         self._calls: dict[Hashable, int] = {}
         self._direct: set[Hashable] = set()     # failed to capture, or dropped from the cache
         self._captures = 0
@@ -148,7 +178,6 @@ class GraphedCalls:
             self._owned.clear()
             self._owned_captures = 0
             self._owned_failed.clear()
-            self._owned_moves.clear()
             self._calls.clear()
             self._direct.clear()
             self._pools.clear()
@@ -161,8 +190,6 @@ class GraphedCalls:
         with self._lock:
             for who in [w for w in self._owned if w[1] == owner]:
                 del self._owned[who]
-            for who in [w for w in self._owned_moves if w[1] == owner]:
-                del self._owned_moves[who]
 
     def __call__(self, fn: Callable[..., tuple[torch.Tensor, ...]], key: Hashable,
                  tensors: Sequence[torch.Tensor | None], *, streams: Sequence[SRStream] = (),
@@ -196,10 +223,10 @@ class GraphedCalls:
                 layer's parameters; a buffer an owner's graph returned; activations a caller
                 passes again or that the allocator puts at the same place each step): the owner's
                 graph reads them where they are instead of from the copying graph's static
-                buffers, so they are not copied in. A call where one of them has moved replays a
-                graph captured for the new addresses; an input that has moved
-                :attr:`OWNER_CAPTURES` times (per owner and signature) is copied like the others
-                from then on, while the rest are still read in place.
+                buffers, so they are not copied in. One at an address this owner has not seen
+                before is copied in like the others; one back at an address seen before gets a
+                graph that reads it there (at most :attr:`OWNER_CAPTURES` such captures per owner
+                and signature, :meth:`_owned_entry`).
 
         Returns:
             ``fn``'s outputs: fresh tensors (clones of the static outputs) the caller owns, or, from
@@ -276,92 +303,145 @@ class GraphedCalls:
 
     def _owned_entry(self, fn, sig, entry: _Entry, tensors, streams, keep, where, owner: Hashable,
                      steady: Sequence[int]) -> _Entry | None:
-        """The owned-outputs tier: ``owner``'s own graph for this signature, or None where the copying
-        graph's copies out must run instead.
+        """The owned-outputs tier: the graph of ``owner``'s own to replay for this call, or None where
+        the copying graph's copies out must run instead.
 
-        The graph reads the copying graph's static inputs (the call copies its inputs there as
-        usual), except the ``steady`` inputs, which it reads where they are (its ``reads``: their
-        indices and addresses at its capture), and draws from the SR streams themselves, advancing
-        them in place (no copies of their states in and out; streams other than those it was
-        captured with get a new capture like a moved input, and after :attr:`OWNER_CAPTURES` such
-        captures a graph drawing from twins, as the copying graph does); it writes outputs
-        allocated for it outside the graphs' pool, which the call returns as aliases (``detach()``).
-        Its replay would overwrite what its previous replay returned, so it replays only once no
-        caller holds any of those outputs (their storages' use counts, :meth:`_Entry.outputs_free`); layers
-        of one shape each have their own graph, so in training an owner's outputs are free again by
-        its next call (the previous step's backward has consumed them). Captured at the owner's first
-        call once the copying graph exists, and again where a steady input it reads in place has
-        moved: an input that has moved :attr:`OWNER_CAPTURES` times is read from the static buffer
-        (copied in) from then on, the others still where they are. It replays only
-        while this call's steady inputs sit at the addresses it was captured with (shapes, strides and
-        dtypes are in the signature), so it reads them, whatever memory once held there. A capture
-        for moved inputs writes into the outputs of the graph it replaces where no one holds them
-        (they stay where they are: a graph that reads them in place, the backward's reading its
-        forward's saved copies, needs no new capture).
-        At most :attr:`max_owned` kept (least recently used dropped) and ``2 * max_owned``
-        captured, besides the captures for moves (at most :attr:`OWNER_CAPTURES` per steady input
-        and owner)."""
+        An owner's graphs (one :class:`_Owner` per owner and signature) all write the same outputs,
+        allocated for them outside the graphs' pool, which the call returns as aliases
+        (``detach()``). A replay would overwrite what the previous replay returned, so one runs only
+        once no caller holds any of those outputs (their storages' use counts,
+        :meth:`_Owner.outputs_free`); layers of one shape each have their own graphs, so in training
+        an owner's outputs are free again by its next call (the previous step's backward has
+        consumed them). Each graph reads the copying graph's static inputs (the call copies its
+        inputs there as usual), except the ``steady`` inputs it reads where they are (its
+        ``reads``: indices and addresses), and draws from the SR streams themselves, advancing them
+        in place (``draws``), or from twins (``None``). It replays only while this call's steady
+        inputs sit at the addresses it reads (shapes, strides and dtypes are in the signature), so
+        it reads them, whatever memory once held there.
+
+        The owner's first graph, captured at its first call once the copying graph exists, reads
+        every steady input and the streams in place. A call whose steady inputs are not all where
+        one graph reads them gets a graph (:meth:`_variant`) that reads in place those at an address
+        seen at an earlier call of this owner, and copies in those at an address seen for the first
+        time: an address the allocator hands out once (warm-up, activations that keep moving) costs
+        a copy, not a capture, and one that comes back (an allocator that settles after a few steps,
+        or alternates between two places) gets a graph that reads it where it is. At most
+        :attr:`OWNER_CAPTURES` such captures per owner and signature and :attr:`OWNER_VARIANTS`
+        graphs kept (least recently used dropped); after that a call replays a kept graph whose
+        in-place inputs are where it reads them, the others copied in. Owners: at most
+        :attr:`max_owned` kept (least recently used dropped, with their outputs) and
+        ``2 * max_owned`` first captures."""
         who = (sig, owner)
-        moves = self._owned_moves.get(who) or {}   # by input index: captures for its moves (none yet: {})
         own = self._owned.get(who)
-        draws = tuple(s.data_ptr() for s in streams)
-        moved = [] if own is None else [i for i, ptr in own.reads if tensors[i].data_ptr() != ptr]
-        if own is not None and own.draws is not None and own.draws != draws:
-            moved.append("streams")   # other SR streams than those the graph advances in place
-        reuse = None
-        if moved:   # a steady input the graph reads where it was has moved: a graph for where it is now
-            del self._owned[who]
-            reuse = own.outputs if own.outputs_free() else None
-            own = None
-            moves = self._owned_moves.setdefault(who, {})
-            for i in moved:
-                moves[i] = moves.get(i, 0) + 1
+        at = tuple((i, tensors[i].data_ptr()) for i in steady if tensors[i] is not None)
+        draws = tuple(s.data_ptr() for s in streams) if own is None or own.draws_sr else ()
         if own is None:
-            # read in place: the steady inputs that have not used up their captures for moves
-            reads = tuple((i, tensors[i].data_ptr()) for i in steady
-                          if tensors[i] is not None and moves.get(i, 0) < self.OWNER_CAPTURES)
-            streams_in_place = moves.get("streams", 0) < self.OWNER_CAPTURES
-            # (captures for moves are bounded per owner and input, the others in all)
-            if who in self._owned_failed or not self.max_owned \
-                    or (not moved and self._owned_captures >= 2 * self.max_owned):
+            if who in self._owned_failed or not self.max_owned or self._owned_captures >= 2 * self.max_owned:
                 return None
-            self._owned_captures += not moved
-            own = self._capture_owned(fn, entry, tensors, reads, streams, keep, where, reuse, streams_in_place)
+            self._owned_captures += 1
+            own = self._capture_owned(fn, entry, tensors, at, streams, keep, where)
             if own is None:
                 self._owned_failed.add(who)
                 return None
             self._owned[who] = own
             while len(self._owned) > self.max_owned:
                 self._owned.popitem(last=False)
-        elif not own.outputs_free():
-            return None
+            graph = own.last
+        else:
+            if not own.outputs_free():
+                return None
+            graph = own.variants.get((at, draws))   # the usual call: every steady input where a graph reads it
+            if graph is None:
+                graph = self._variant(fn, who, own, entry, tensors, at, streams, draws, keep, where)
+                if graph is None:
+                    return None
+            else:
+                own.variants.move_to_end((at, draws))
+        own.last = graph
         self._owned.move_to_end(who)
+        return graph
+
+    def _variant(self, fn, who, own: _Owner, entry: _Entry, tensors, at: tuple, streams, draws: tuple, keep,
+                 where) -> _Entry | None:
+        """A graph of ``own`` for a call whose steady inputs (``at``: (index, address)) or streams are
+        not all where one of its graphs reads them (:meth:`_owned_entry`): the one reading in place
+        the inputs at addresses seen before (captured if need be), or a kept one whose in-place
+        inputs are where it reads them; None if there is none."""
+        reads = tuple((i, p) for i, p in at if own.saw(i, p))
+        key = (reads, draws if own.saw("streams", draws) else None)
+        graph = own.variants.get(key)
+        if graph is None and own.captures < self.OWNER_CAPTURES:
+            own.captures += 1
+            made = self._capture_graph(fn, entry, tensors, reads, streams, keep, where, own.outputs,
+                                       key[1] is not None, own.drawn)
+            if made is None:   # this caller then always takes the copies out
+                del self._owned[who]
+                self._owned_failed.add(who)
+                return None
+            graph = made[0]
+            graph.draws = key[1]   # () where the graphs draw from no stream
+            own.variants[key] = graph
+            while len(own.variants) > self.OWNER_VARIANTS:
+                own.variants.popitem(last=False)
+        if graph is None:   # captures used up: a kept graph whose in-place reads are where they are
+            graph = next((g for g in reversed(own.variants.values())
+                          if all(tensors[i].data_ptr() == p for i, p in g.reads)
+                          and g.draws in (None, draws)), None)
+        if graph is not None:
+            own.variants.move_to_end((graph.reads, graph.draws))
+        return graph
+
+    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, where) -> _Owner | None:
+        """An owner's first graph, reading ``reads`` and the streams in place, with the outputs it
+        writes, as an :class:`_Owner`; None if the capture failed."""
+        made = self._capture_graph(fn, entry, tensors, reads, streams, keep, where, None, True)
+        if made is None:
+            return None
+        graph, refs, drawn = made
+        own = _Owner(graph.outputs, refs, drawn)
+        if not own.draws_sr:
+            graph.draws = ()   # where the streams are does not matter to these graphs
+        for i, p in reads:
+            own.saw(i, p)
+        own.saw("streams", graph.draws)
+        own.variants[(reads, graph.draws)] = own.last = graph
         return own
 
-    def _capture_owned(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, where,
-                       reuse: tuple | None = None, streams_in_place: bool = True) -> _Entry | None:
+    def _capture_graph(self, fn, entry: _Entry, tensors, reads: tuple, streams, keep, where,
+                       outputs: tuple | None, streams_in_place: bool,
+                       drawn: tuple[int, ...] = ()) -> tuple[_Entry, tuple, tuple[int, ...]] | None:
+        """One owned-tier graph, its outputs' references (:meth:`_capture_into`) and the indices of
+        the streams it draws from; None if the capture failed. The graph reads the steady inputs
+        ``reads`` ((index, address)) where they are and the copying graph ``entry``'s static buffers
+        for the rest, draws from the streams in place (``streams_in_place``) or from twins, and
+        writes ``outputs``. For an owner's first graph (``outputs`` None) a direct call makes the
+        outputs and shows which streams it draws from (it advances their twins); the others are
+        captured without one (``drawn``: the streams the first drew from), so that they allocate
+        nothing outside the graphs' pool: allocations of the caller's allocator between steps move
+        the addresses its next steps get."""
         read_at = {i for i, _ in reads}
         inputs = [t if i in read_at else buf for i, (t, buf) in enumerate(zip(tensors, entry.inputs))]
         twins = tuple(SRStream(0, s.device).copy_(s) for s in streams)
-        before = [t.get_state() for t in twins]
-        # the outputs: a direct call's on the inputs the graph reads (whatever the static buffers hold:
-        # the graph, not this call, computes what is returned), kept; it advances the twins, which
-        # shows which are used. ``reuse``: outputs of the graph this one replaces, written again
-        outputs = tuple(fn(*inputs, streams=twins) if reuse is None else fn(*inputs, streams=twins, out=reuse))
-        used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
-        # the replays draw from the streams themselves, in place (``streams_in_place``), or from the twins
+        if outputs is None:
+            # on the inputs the graph reads (whatever the static buffers hold: the graph, not this
+            # call, computes what is returned)
+            before = [t.get_state() for t in twins]
+            outputs = tuple(fn(*inputs, streams=twins))
+            drawn = tuple(i for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
+        used = tuple((i, twins[i]) for i in drawn)
         draw = streams if streams_in_place else twins
         done = self._capture_into(lambda: fn(*inputs, streams=draw, out=outputs), outputs, where,
                                   "these calls copy their outputs out")
-        if done is None:   # this caller then always takes the copies out
+        if done is None:
             return None
         # inputs: the copying graph's static buffers, which this graph reads, held as long as it is;
         # not the steady inputs (holding the buffer a forward's graph returned would count as a
         # caller holding that graph's outputs): a replay happens only while this call's steady inputs
         # sit at the addresses in ``reads``, so it reads them, whatever was there before
         held = tuple(None if i in read_at else t for i, t in enumerate(inputs))
-        return _Entry(done[0], held, outputs, () if streams_in_place else used, tuple(keep), done[1], reads,
-                      tuple(s.data_ptr() for s in streams) if streams_in_place else None)
+        graph = _Entry(done[0], held, outputs, () if streams_in_place else used, tuple(keep), reads,
+                       tuple(s.data_ptr() for s in streams) if streams_in_place else None)
+        return graph, done[1], drawn
 
     def _capture_stream(self, where: tuple[int, int]) -> "torch.cuda.Stream":
         """The stream the graphs replayed on caller stream ``where`` are captured on (made once)."""
@@ -380,7 +460,7 @@ class GraphedCalls:
         pool = self._pools.setdefault(where, torch.cuda.graph_pool_handle())
         try:
             graph, returned = capture(run, warmup=0, pool=pool, stream=self._capture_stream(where),
-                                      capture_error_mode="thread_local")
+                                      capture_error_mode="thread_local", free_cache=False)
             if len(returned) != len(outputs) or any(r is not o for r, o in zip(returned, outputs)):
                 raise RuntimeError("the function did not return the out= tensors it was given")
         except Exception as err:  # noqa: BLE001 -- the caller falls back to copies
@@ -393,9 +473,14 @@ class GraphedCalls:
         return graph, tuple((ref, torch._C._storage_Use_Count(ref.cdata))
                             for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
 
-    #: The owned tier's captures for the moves of one steady input (or of the SR streams), per owner
-    #: and signature: after that the input is copied in (the streams drawn from through twins).
-    OWNER_CAPTURES = 3
+    #: The owned tier's captures after an owner's first, per owner and signature, for steady inputs
+    #: (or SR streams) at other addresses than its graphs read (:meth:`_owned_entry`); after that a
+    #: kept graph replays, with the inputs that moved copied in.
+    OWNER_CAPTURES = 6
+    #: The owned tier's graphs kept per owner and signature (least recently used dropped first).
+    OWNER_VARIANTS = 4
+    #: The addresses remembered per steady input and owner, to tell one seen before.
+    OWNER_SEEN = 8
 
     def _capture(self, fn, sig, tensors, streams, keep, where) -> _Entry | None:
         inputs = [None if t is None else torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=t.device)
@@ -406,7 +491,7 @@ class GraphedCalls:
         try:
             graph, outputs = capture(lambda: fn(*inputs, streams=twins), warmup=1, pool=pool,
                                      stream=self._capture_stream(where),
-                                     capture_error_mode="thread_local")
+                                     capture_error_mode="thread_local", free_cache=False)
         except Exception as err:  # noqa: BLE001 -- e.g. a host synchronization inside fn: run it directly
             self._direct.add(sig)
             # a capture that fails leaves its stream (and pool) tied to the allocator's recording

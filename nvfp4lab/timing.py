@@ -100,13 +100,17 @@ def side_stream(device: torch.device | str | int | None = None) -> "torch.cuda.S
 
 def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torch.Generator] = (),
             pool: Any = None, stream: "torch.cuda.Stream | None" = None,
-            capture_error_mode: str = "global") -> tuple["torch.cuda.CUDAGraph", Any]:
+            capture_error_mode: str = "global", free_cache: bool = True) -> tuple["torch.cuda.CUDAGraph", Any]:
     """``fn`` warmed up ``warmup`` times on a side stream, then captured once in a CUDA graph.
 
     ``pool``, ``stream`` and ``capture_error_mode`` are passed to ``torch.cuda.graph`` (a memory
     pool shared with other graphs; the stream to capture on; ``"thread_local"`` lets other
     threads use CUDA during the capture). The warm-up runs on ``stream`` when one is given, else on
-    the current device's :func:`side_stream`.
+    the current device's :func:`side_stream`. ``free_cache=False`` captures through
+    ``CUDAGraph.capture_begin`` / ``capture_end`` on ``stream`` (required then) instead, without the
+    ``torch.cuda.empty_cache()`` that ``torch.cuda.graph`` runs first: that call hands every cached
+    block back to the driver, so the tensors the caller allocates next get other addresses than
+    the step before (what :mod:`nvfp4lab.cuda_graphs` captures between a caller's steps must not do).
 
     Returns:
         ``(graph, outputs)``: ``graph.replay()`` reruns the captured work, writing into the
@@ -125,8 +129,18 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
     graph = torch.cuda.CUDAGraph()
     for gen in generators:
         graph.register_generator_state(gen)
-    with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
-        out = fn()
+    if free_cache:
+        with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
+            out = fn()
+        return graph, out
+    if stream is None:
+        raise ValueError("capture(free_cache=False) needs the stream to capture on")
+    with torch.cuda.stream(stream):
+        graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
+        try:
+            out = fn()
+        finally:
+            graph.capture_end()
     return graph, out
 
 

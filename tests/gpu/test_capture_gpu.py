@@ -205,8 +205,9 @@ def test_owned_graphs_read_steady_inputs_and_streams_where_they_are():
     saved copies its forward's graph returned (backward) where they are while they stay put: new
     values in the same tensors (an input buffer refilled, an optimizer step in place) are seen by
     the next replay without a copy in (the copying graph's static buffers keep what they were given
-    last). An input that moves gets a graph for its new address, up to ``OWNER_CAPTURES`` times;
-    after that the owner's graph reads a copy of that input, and still reads the others in place.
+    last). An input at an address the layer has not had before is copied in (one capture, then
+    replays), the others still read in place; one back at an address it has had gets a graph that
+    reads it there, also when it alternates between two.
     The backward's graph draws SR keys from the layer's stream in place (no twin), and a new
     stream gets a graph of its own. Every step gives the bits of the kernels launched one by one,
     SR streams included."""
@@ -217,15 +218,18 @@ def test_owned_graphs_read_steady_inputs_and_streams_where_they_are():
     twin.load_state_dict(layer.state_dict())
     bufs = {m: (torch.empty(512, 1024, device=DEV, dtype=torch.bfloat16, requires_grad=True),
                 torch.empty(512, 768, device=DEV, dtype=torch.bfloat16)) for m in (layer, twin)}
-    kept = []   # inputs of earlier steps, kept alive: a new input cannot reuse their addresses
+    other = {m: (torch.empty_like(x).requires_grad_(), torch.empty_like(gy)) for m, (x, gy) in bufs.items()}
+    kept = []   # inputs and weights of earlier steps, kept alive: a new one cannot reuse their addresses
 
-    def steps(m, first, n, move_weight=False, move_x=False):
+    def steps(m, first, n, move_weight=False, move_x=False, alternate=False):
         got = []
         for i in range(first, first + n):
             x, gy = bufs[m]
             if move_x:
                 x, gy = torch.empty_like(x).requires_grad_(), torch.empty_like(gy)
                 kept.append((x, gy))
+            if alternate and i % 2:
+                x, gy = other[m]
             with torch.no_grad():   # the step's batch, into the input tensors
                 x.copy_(_x((512, 1024), 70 + i))
                 gy.copy_(_x((512, 768), 90 + i))
@@ -237,6 +241,7 @@ def test_owned_graphs_read_steady_inputs_and_streams_where_they_are():
                 m.weight.add_(m.weight.grad, alpha=-2.0**-6)
                 m.bias.add_(m.bias.grad, alpha=-2.0**-6)
             if move_weight:
+                kept.append(m.weight)
                 m.weight = torch.nn.Parameter(m.weight.detach().clone())   # a new address
             del y
         return got
@@ -255,34 +260,80 @@ def test_owned_graphs_read_steady_inputs_and_streams_where_they_are():
         return graphs["fprop"], graphs["bprop"]
 
     both(0, 6)
-    (fsig, fprop), (bsig, bprop) = owned()
+    (fsig, fown), (bsig, bown) = owned()
+    fprop, bprop = fown.last, bown.last
     x, gy = bufs[layer]
     assert fprop.reads == ((0, x.data_ptr()), (1, layer.weight.data_ptr()), (2, layer.bias.data_ptr()))
     assert bprop.reads[0] == (0, gy.data_ptr()) and [i for i, _ in bprop.reads] == [0, 1]
+    assert len(fown.variants) == len(bown.variants) == 1 and fown.captures == bown.captures == 0
     static = LAYER_GRAPHS._entries[fsig[0]].inputs
     assert not torch.equal(static[0], x) and not torch.equal(static[1], layer.weight), "X or the weight was copied in"
     assert not torch.equal(LAYER_GRAPHS._entries[bsig[0]].inputs[0], gy), "dY was copied in"
     stream, twin_stream = layer.sr_streams()[0], twin.sr_streams()[0]
     assert bprop.twins == () and bprop.draws == (stream.data_ptr(),), "SR keys drawn from the layer's stream in place"
+    assert not fown.draws_sr and fprop.draws == (), "the forward draws no SR keys"
 
     for m in (layer, twin):   # another SR stream: the backward's graph is captured for it
         m.generator = SRStream(11, DEV)
     both(22, 3)
-    _, (_, bprop) = owned()
-    assert bprop.twins == () and bprop.draws == (layer.generator.data_ptr(),)
+    (_, fown), (_, bown) = owned()
+    assert bown.last.twins == () and bown.last.draws == (layer.generator.data_ptr(),)
+    assert fown.captures == 0, "a new stream needs no graph where none is drawn from"
     assert torch.equal(stream.get_state(), twin_stream.get_state())
 
-    both(6, 2 + LAYER_GRAPHS.OWNER_CAPTURES, move_weight=True)
-    (_, fprop), _ = owned()
-    assert fprop.reads == ((0, x.data_ptr()), (2, layer.bias.data_ptr())), \
-        "after OWNER_CAPTURES moves the forward reads a copy of the weight, and X and the bias in place"
-    assert fprop.inputs[1] is LAYER_GRAPHS._entries[fsig[0]].inputs[1]
+    before = fown.captures
+    both(6, 4, move_weight=True)   # a weight at a new address every step
+    (_, fown), _ = owned()
+    assert fown.last.reads == ((0, x.data_ptr()), (2, layer.bias.data_ptr())), \
+        "a weight at an address never seen before is copied in, X and the bias still read in place"
+    assert fown.last.inputs[1] is LAYER_GRAPHS._entries[fsig[0]].inputs[1]
+    assert fown.captures == before + 1, "addresses seen once cost a copy each, not a capture"
+    both(10, 3)   # the weight stays put: read in place from its second step there
+    (_, fown), _ = owned()
+    assert fown.last.reads == ((0, x.data_ptr()), (1, layer.weight.data_ptr()), (2, layer.bias.data_ptr()))
 
-    both(14, 2 + LAYER_GRAPHS.OWNER_CAPTURES, move_x=True)
-    (_, fprop), (_, bprop) = owned()
-    assert fprop.reads == ((2, layer.bias.data_ptr()),), "X that keeps moving is copied in"
-    assert [i for i, _ in bprop.reads] == [1], "dY that keeps moving is copied in; the saved copies are read in place"
+    both(14, 4, move_x=True)
+    (_, fown), (_, bown) = owned()
+    assert fown.last.reads == ((1, layer.weight.data_ptr()), (2, layer.bias.data_ptr())), "X that keeps moving is copied in"
+    assert 1 in [i for i, _ in bown.last.reads], "the saved copies are read in place"
+
+    both(30, 4, alternate=True)   # X in two places, in turn: a graph for each
+    (_, fown), (_, bown) = owned()
+    captures = (fown.captures, bown.captures)
+    both(34, 4, alternate=True)
+    (_, fown), (_, bown) = owned()
+    assert (fown.captures, bown.captures) == captures, "no new capture once both places have graphs"
+    xo = other[layer][0]
+    assert fown.last.reads[0] == (0, xo.data_ptr())
+    assert {(0, x.data_ptr()), (0, xo.data_ptr())} <= {r for g in fown.variants.values() for r in g.reads}
+    # (dY reaches the backward through autograd, in a tensor of its own at an address that recurs)
+    assert [i for i, _ in bown.last.reads] == [0, 1], "dY and the saved copies read in place"
     assert torch.equal(layer.generator.get_state(), twin.generator.get_state())
+
+
+def test_layer_graph_captures_keep_the_callers_cached_memory():
+    """The layer's graphs are captured without ``torch.cuda.graph``'s ``empty_cache()``: the blocks
+    the caller's allocator keeps stay (memory reserved does not drop across the captures), so a
+    training step's activations, allocated afresh each step, get the addresses of the step before
+    and the layer's own graphs read them in place after a few steps, with no copy in."""
+    LAYER_GRAPHS.clear()
+    torch.manual_seed(0)
+    layer = NVFP4Linear(1024, 768, device=DEV, dtype=torch.bfloat16, seed=3)
+    base = _x((512, 1024), 1)
+    gy = _x((512, 768), 2)
+    cached = torch.empty(64 << 20, dtype=torch.uint8, device=DEV)
+    del cached   # a free block the allocator keeps
+    reserved = torch.cuda.memory_reserved()
+    seen = []
+    for _ in range(8):
+        x = base.clone().requires_grad_()   # a new activation each step
+        layer.weight.grad = layer.bias.grad = None
+        layer(x).backward(gy)
+        seen.append(x.data_ptr())
+        del x
+    assert torch.cuda.memory_reserved() >= reserved, "a capture emptied the allocator's cache"
+    fown = next(own for who, own in LAYER_GRAPHS._owned.items() if who[1][0] == "fprop")
+    assert len(set(seen[-4:])) == 1 and fown.last.reads[0] == (0, seen[-1]), "X read where it is"
 
 
 def test_clearing_the_layer_graphs_gives_their_memory_back():
