@@ -1,5 +1,8 @@
 """NVFP4 the way people call it: ``python benchmarks/bench_api.py [--out FILE] [--smoke] [--skip-training]``.
 
+(``--training-only``, ``--training-rounds N``, ``--training-modes MODE ...``: section 3 alone, N runs
+per precision and mode, some modes.)
+
 Measured side by side in one run on one device and written with provenance to
 ``results/api_speed_<cpu|cuda>.json`` (``--out`` to name it) (issue 17's table "how you call it -> what you get"):
 
@@ -21,7 +24,9 @@ Measured side by side in one run on one device and written with provenance to
    ``gpt2-small`` preset, NVFP4 against BF16 in the same mode: eager (NVFP4 also without the
    layer graphs), ``compile`` (NVFP4 also with its layer graphs' outputs copied out,
    ``compile_copy_out``), ``cuda_graph`` (with the optimizer in the graph), and both
-   (``compile_cuda_graph``: the compiled step captured).
+   (``compile_cuda_graph``: the compiled step captured). ``--training-rounds`` repeats each run
+   (BF16, then NVFP4, per round) and reports the median ratio and its spread: the compiled modes'
+   tokens/s differed by up to 16% between two sessions on lent H200s (BF16 ``compile``: 568k and 477k).
 
 Timings come from :mod:`nvfp4lab.timing` (medians). Sections 1 and 2 repeat their measurements in
 ``--rounds`` rounds (default 5), the two sides of each ratio back to back within a round, and report
@@ -180,35 +185,56 @@ def bench_linear(device: str, shapes: list[tuple[int, int, int]], rounds: int) -
     return rows
 
 
-def bench_training(device: str, preset: str, steps: int) -> list[dict[str, Any]]:
-    """Section 3: steady-state tokens/s of ``nvfp4lab.train``, NVFP4 vs BF16 in each mode."""
+def bench_training(device: str, preset: str, steps: int, rounds: int = 1,
+                   only: tuple[str, ...] | None = None) -> list[dict[str, Any]]:
+    """Section 3: steady-state tokens/s of ``nvfp4lab.train``, NVFP4 vs BF16 in each mode (``only``:
+    these modes), ``rounds`` times (BF16 then NVFP4 in each round): each precision's figures are
+    those of its median round by tokens/s, with ``tokens_per_s_rounds``; ``nvfp4_vs_bf16`` is the
+    median of the rounds' ratios, with their ``nvfp4_vs_bf16_spread``."""
     modes = {"eager": {}, "eager_no_graphs": {}, "compile": {"compile": True}, "compile_copy_out": {"compile": True},
              "cuda_graph": {"cuda_graph": True, "graph_optimizer": device == "cuda"},
              "compile_cuda_graph": {"compile": True, "cuda_graph": True, "graph_optimizer": device == "cuda"}}
-    # NVFP4-only variants: (the mode whose BF16 run they are compared with, the kernel options they change)
+    # NVFP4-only variants: (the mode whose BF16 runs they are compared with, the kernel options they change)
     options = {"eager_no_graphs": ("eager", dict(layer_graphs=False)),
                "compile_copy_out": ("compile", dict(layer_graphs_owned_outputs=False))}
+    if only is not None:
+        unknown = sorted(set(only) - set(modes))
+        if unknown:
+            raise ValueError(f"unknown training modes {unknown}; choose from {sorted(modes)}")
+        modes = {m: extra for m, extra in modes.items()
+                 if m in only or any(options.get(o, ("",))[0] == m for o in only)}   # with the modes they compare with
     rows = []
+    bf16_runs: dict[str, list[dict[str, Any]]] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for mode, extra in modes.items():
             if "cuda_graph" in extra and device != "cuda":
                 continue
-            tps = {}
-            for precision in ("bf16", "nvfp4"):
-                if mode in options and precision == "bf16":   # BF16 has no layer graphs: its run in the base mode
-                    tps[precision] = next(r for r in rows if r["mode"] == options[mode][0])["bf16"]
-                    continue
-                torch._dynamo.reset()
-                with kernels.use_options(**(options[mode][1] if mode in options else {})):
-                    res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
-                                            out=f"{tmp}/{mode}-{precision}", progress=False, plot=False,
-                                            eval_interval=steps, checkpoint_interval=0, **extra))
-                tps[precision] = {"tokens_per_s": res.tokens_per_s, "warmup_time_s": res.to_dict().get("warmup_time_s"),
-                                  "final_val_loss": res.final_val_loss, "peak_memory_bytes": res.peak_memory_bytes,
-                                  "peak_memory_kind": res.peak_memory_kind}
-                _log(mode, precision, tps[precision])
-            rows.append({"mode": mode, "preset": preset, "steps": steps, **tps,
-                         "nvfp4_vs_bf16": tps["nvfp4"]["tokens_per_s"] / tps["bf16"]["tokens_per_s"]})
+            runs: dict[str, list[dict[str, Any]]] = {"bf16": [], "nvfp4": []}
+            for r in range(rounds):
+                for precision in ("bf16", "nvfp4"):
+                    if mode in options and precision == "bf16":   # BF16 has no layer graphs: its runs in the base mode
+                        runs["bf16"] = bf16_runs[options[mode][0]]
+                        continue
+                    torch._dynamo.reset()
+                    with kernels.use_options(**(options[mode][1] if mode in options else {})):
+                        res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
+                                                out=f"{tmp}/{mode}-{precision}-{r}", progress=False, plot=False,
+                                                eval_interval=steps, checkpoint_interval=0, **extra))
+                    run = {"tokens_per_s": res.tokens_per_s, "warmup_time_s": res.to_dict().get("warmup_time_s"),
+                           "final_val_loss": res.final_val_loss, "peak_memory_bytes": res.peak_memory_bytes,
+                           "peak_memory_kind": res.peak_memory_kind}
+                    runs[precision].append(run)
+                    _log(mode, precision, r, run)
+            bf16_runs[mode] = runs["bf16"]
+            ratios = [n["tokens_per_s"] / b["tokens_per_s"] for n, b in zip(runs["nvfp4"], runs["bf16"])]
+            row = {"mode": mode, "preset": preset, "steps": steps, "rounds": len(ratios)}
+            for precision, got in runs.items():
+                median = sorted(got, key=lambda g: g["tokens_per_s"])[(len(got) - 1) // 2]
+                row[precision] = {**median, "tokens_per_s_rounds": [g["tokens_per_s"] for g in got]}
+            row["nvfp4_vs_bf16"] = statistics.median(ratios)
+            row["nvfp4_vs_bf16_spread"] = _spread(ratios)
+            if only is None or mode in only:
+                rows.append(row)
     return rows
 
 
@@ -219,8 +245,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--smoke", action="store_true", help="tiny shapes, a few steps (any device)")
     ap.add_argument("--skip-training", action="store_true")
     ap.add_argument("--steps", type=int, default=40, help="training steps per run (section 3)")
+    ap.add_argument("--training-rounds", type=int, default=1, help="runs per precision and mode (section 3)")
+    ap.add_argument("--training-modes", nargs="+", help="section 3's modes (default: all)")
+    ap.add_argument("--training-only", action="store_true", help="section 3 alone")
     ap.add_argument("--rounds", type=int, default=5, help="rounds of sections 1 and 2 (medians reported)")
     args = ap.parse_args(argv)
+    if args.training_only and args.skip_training:
+        ap.error("--training-only and --skip-training leave nothing to measure")
     require_device(args.device)
     device = torch.device(args.device).type
     n = 256 if args.smoke else 8192
@@ -229,11 +260,12 @@ def main(argv: list[str] | None = None) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     result: dict[str, Any] = {"environment": environment(args.device)}
     rounds = 2 if args.smoke else args.rounds
-    sections = {"quantize": lambda: bench_quantize(device, n, rounds),
-                "linear": lambda: bench_linear(device, shapes, rounds)}
+    sections = {} if args.training_only else {"quantize": lambda: bench_quantize(device, n, rounds),
+                                               "linear": lambda: bench_linear(device, shapes, rounds)}
     if not args.skip_training:
-        sections["training"] = lambda: bench_training(device, "ci" if args.smoke else "gpt2-small",
-                                                      8 if args.smoke else args.steps)
+        sections["training"] = lambda: bench_training(
+            device, "ci" if args.smoke else "gpt2-small", 8 if args.smoke else args.steps, args.training_rounds,
+            None if args.training_modes is None else tuple(args.training_modes))
     for name, run in sections.items():  # written after each section: a cut-off run keeps what it measured
         result[name] = run()
         out.write_text(json.dumps(result, indent=2) + "\n")
