@@ -138,6 +138,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device(args.device).type
     out = args.out or ROOT / "results" / f"train_profile_{device}.json"
     result: dict[str, Any] = {"environment": environment(args.device), "steps": args.steps, "extra": args.extra,
+                              "command": " ".join(["python", "benchmarks/train_profile.py",
+                                                   *(sys.argv[1:] if argv is None else argv)]),
                               "modes": {}}
     for mode in args.modes:   # written after each mode: a cut-off run keeps what it measured
         result["modes"][mode] = profile_mode(mode, args.steps, args.extra, device)
