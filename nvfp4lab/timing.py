@@ -117,8 +117,11 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
         ``outputs`` the captured call returned (static tensors).
 
     Raises:
+        ValueError: ``free_cache=False`` without a ``stream``.
         What the capture raises (e.g. a host synchronization inside ``fn``).
     """
+    if not free_cache and stream is None:
+        raise ValueError("capture(free_cache=False) needs the stream to capture on")
     side = stream if stream is not None else side_stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -133,8 +136,6 @@ def capture(fn: Callable[[], Any], *, warmup: int = 3, generators: Sequence[torc
         with torch.cuda.graph(graph, pool=pool, stream=stream, capture_error_mode=capture_error_mode):
             out = fn()
         return graph, out
-    if stream is None:
-        raise ValueError("capture(free_cache=False) needs the stream to capture on")
     with torch.cuda.stream(stream):
         graph.capture_begin(pool=pool, capture_error_mode=capture_error_mode)
         try:

@@ -4,7 +4,7 @@ import time
 
 import pytest
 
-from nvfp4lab.timing import bench_ms, median_ms, per_call_ms
+from nvfp4lab.timing import bench_ms, capture, median_ms, per_call_ms
 
 
 def test_per_call_counts_calls_and_measures_sleep():
@@ -23,3 +23,12 @@ def test_per_call_counts_calls_and_measures_sleep():
 def test_per_call_rejects_bad_counts():
     with pytest.raises(ValueError, match="iters >= 1"):
         per_call_ms(lambda: None, "cpu", iters=0)
+
+
+def test_capture_without_freeing_the_cache_needs_its_stream():
+    """``free_cache=False`` captures on the stream it is given; without one it refuses before
+    touching the device (and before calling ``fn``)."""
+    calls = []
+    with pytest.raises(ValueError, match="needs the stream"):
+        capture(lambda: calls.append(1), free_cache=False)
+    assert not calls
