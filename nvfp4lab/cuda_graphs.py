@@ -97,13 +97,11 @@ class _Owner:
     """The owned tier's graphs of one caller and signature: the outputs they all write, and one
     graph (:class:`_Entry`) per set of addresses it reads in place (``variants``, by ``(reads,
     draws)``, least recently used first)."""
-    __slots__ = ("outputs", "refs", "variants", "seen", "captures", "last", "drawn", "draws_sr")
+    __slots__ = ("outputs", "refs", "variants", "seen", "captures", "last", "drawn")
 
     def __init__(self, outputs: tuple, refs: tuple, drawn: tuple[int, ...]) -> None:
         self.outputs = outputs
-        # the indices of the SR streams the graphs draw from; whether they draw from any (else where
-        # the streams are does not matter)
-        self.drawn, self.draws_sr = drawn, bool(drawn)
+        self.drawn = drawn   # the indices of the SR streams the graphs draw from
         # a weak reference to each output's storage and its use count while only the graphs hold it
         # (more means a caller still holds the output the last replay returned)
         self.refs = refs
@@ -112,6 +110,11 @@ class _Owner:
         self.seen: dict[int | str, OrderedDict[Any, None]] = {}
         self.captures = 0
         self.last: _Entry | None = None   # the graph replayed last
+
+    @property
+    def draws_sr(self) -> bool:
+        """Whether the graphs draw from any SR stream (else where the streams are does not matter)."""
+        return bool(self.drawn)
 
     def outputs_free(self) -> bool:
         """Whether no caller holds an output of the last replay."""
@@ -379,7 +382,6 @@ class GraphedCalls:
                 self._owned_failed.add(who)
                 return None
             graph = made[0]
-            graph.draws = key[1]   # () where the graphs draw from no stream
             own.variants[key] = graph
             while len(own.variants) > self.OWNER_VARIANTS:
                 own.variants.popitem(last=False)
@@ -399,8 +401,6 @@ class GraphedCalls:
             return None
         graph, refs, drawn = made
         own = _Owner(graph.outputs, refs, drawn)
-        if not own.draws_sr:
-            graph.draws = ()   # where the streams are does not matter to these graphs
         for i, p in reads:
             own.saw(i, p)
         own.saw("streams", graph.draws)
@@ -439,8 +439,9 @@ class GraphedCalls:
         # caller holding that graph's outputs): a replay happens only while this call's steady inputs
         # sit at the addresses in ``reads``, so it reads them, whatever was there before
         held = tuple(None if i in read_at else t for i, t in enumerate(inputs))
-        graph = _Entry(done[0], held, outputs, () if streams_in_place else used, tuple(keep), reads,
-                       tuple(s.data_ptr() for s in streams) if streams_in_place else None)
+        # draws: where the streams it advances in place are (() where it draws from none), None for twins
+        draws = (tuple(s.data_ptr() for s in streams) if drawn else ()) if streams_in_place else None
+        graph = _Entry(done[0], held, outputs, () if streams_in_place else used, tuple(keep), reads, draws)
         return graph, done[1], drawn
 
     def _capture_stream(self, where: tuple[int, int]) -> "torch.cuda.Stream":
