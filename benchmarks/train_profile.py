@@ -14,8 +14,11 @@ steps (a kind of kernel with negative time per step, a compute kernel launched a
 of times per step; under ``torch.compile``, Inductor's compile-time kernels or fusions can differ between
 the runs), that precision and mode get a list of ``problems`` and the script exits with status 1
 after writing the file. The profiler slows the host, so its runs' tokens/s are not the benchmark's
-(``bench_api.py``); kernel times are what it measures. Written with provenance to
-``results/train_profile_<device>.json``.
+(``bench_api.py``); kernel times are what it measures. ``layer_graphs_per_step``: what the NVFP4
+layers' own CUDA graphs did per steady step of the longer run (its ``RunResult.layer_graphs`` over
+its timed steps: calls run directly, captures, replays, bytes copied in and out; zero where the
+layers replay no graphs of their own, as in BF16 or inside a captured step). Written with
+provenance to ``results/train_profile_<device>.json``.
 """
 
 from __future__ import annotations
@@ -117,9 +120,10 @@ def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, An
             top = [{"name": k, "calls_per_step": c, "ms_per_step": ms} for k, c, ms in kernels]
             out[precision] = {"kernel_ms_per_step": per_step, "kernel_ms_per_step_total": sum(per_step.values()),
                               "top_kernels": top, "tokens_per_s": res.tokens_per_s,
+                              "layer_graphs_per_step": {k: v / res.timed_steps for k, v in res.layer_graphs.items()},
                               "problems": difference_problems(per_step, top)}
             print(f"[train_profile] {mode} {precision}", {k: round(v, 2) for k, v in per_step.items()},
-                  file=sys.stderr, flush=True)
+                  "layer graphs per steady step:", out[precision]["layer_graphs_per_step"], file=sys.stderr, flush=True)
             for problem in out[precision]["problems"]:
                 print(f"[train_profile] {mode} {precision}: not a steady-step difference: {problem}",
                       file=sys.stderr, flush=True)

@@ -252,6 +252,12 @@ def _print_run(r) -> None:
         print("  precision:  " + ", ".join(f"{s['precision']} for steps {s['from_step']}-{s['to_step']}"
                                           for s in r.precision_segments))
     print(f"  layers: {r.layers}")
+    g = r.layer_graphs
+    if g and g["calls"] and r.timed_steps:   # the NVFP4 layers' own CUDA graphs (eager or compiled steps)
+        n = r.timed_steps
+        print(f"  layer graphs, per steady step: {(g['owned_replays'] + g['copying_replays']) / n:g} replays, "
+              f"{g['direct'] / n:g} direct calls, {g['captures'] / n:g} captures, "
+              f"{g['bytes_in'] / n / 1e6:.1f} MB copied in, {g['bytes_out'] / n / 1e6:.1f} MB out")
     print(f"  results:    {r.out_dir}/run.json")
     print(f"  metrics:    {r.metrics_path}")
     if r.plot_path:

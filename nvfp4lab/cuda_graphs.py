@@ -46,6 +46,7 @@ live outside the pool; one stream runs one replay at a time.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import warnings
 from collections import OrderedDict
@@ -57,7 +58,7 @@ from torch.multiprocessing.reductions import StorageWeakRef
 from .rounding import SRStream
 from .timing import capture
 
-__all__ = ["GraphedCalls"]
+__all__ = ["GraphedCalls", "GraphStats"]
 
 
 #: Tensors of at least this many bytes are copied one by one (``Tensor.copy_``); smaller ones together
@@ -67,18 +68,59 @@ __all__ = ["GraphedCalls"]
 COPY_ALONE_BYTES = 1 << 20
 
 
-def _copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> None:
+def _copy(dsts: Sequence[torch.Tensor], srcs: Sequence[torch.Tensor]) -> int:
     """``dst.copy_(src)`` for each pair: the large ones alone, the others in one multi-tensor copy
-    (:data:`COPY_ALONE_BYTES`)."""
+    (:data:`COPY_ALONE_BYTES`). Returns the bytes copied."""
     small_d, small_s = [], []
+    total = 0
     for d, s in zip(dsts, srcs):
-        if d.numel() * d.element_size() >= COPY_ALONE_BYTES:
+        nbytes = d.numel() * d.element_size()
+        total += nbytes
+        if nbytes >= COPY_ALONE_BYTES:
             d.copy_(s)
         else:
             small_d.append(d)
             small_s.append(s)
     if small_d:
         torch._foreach_copy_(small_d, small_s)
+    return total
+
+
+@dataclasses.dataclass
+class GraphStats:
+    """What a :class:`GraphedCalls` did, counted since it was made or since
+    :meth:`GraphedCalls.reset_stats` (:meth:`GraphedCalls.clear` drops graphs, not these counts).
+
+    The diagnostic for a slow eager or compiled training step: once every signature is captured,
+    ``direct`` and ``captures`` stop growing, and in a steady step ``bytes_in`` and ``bytes_out``
+    grow only where inputs moved to addresses the owned tier had not seen, or a caller still held
+    the outputs of its previous call (the tiers of the module docstring).
+    ``benchmarks/train_profile.py`` records them per steady training step.
+
+    Attributes:
+        calls: calls of the :class:`GraphedCalls`.
+        direct: calls that ran the function itself (a signature's first calls, a signature that is
+            not captured; each costs its launches).
+        captures: CUDA graphs captured (both tiers; failed captures not counted).
+        owned_replays: replays of a caller's own graph, whose outputs are returned without a copy.
+        copying_replays: replays of a copying graph, whose outputs are copied out.
+        bytes_in: bytes of inputs copied into static buffers before a replay (inputs the replayed
+            graph does not read where they are; a capture's own copy of its inputs not counted).
+        bytes_out: bytes of outputs copied out of a copying graph.
+    """
+
+    calls: int = 0
+    direct: int = 0
+    captures: int = 0
+    owned_replays: int = 0
+    copying_replays: int = 0
+    bytes_in: int = 0
+    bytes_out: int = 0
+
+    def since(self, earlier: "GraphStats") -> "GraphStats":
+        """The counts from ``earlier`` (a copy taken before, ``dataclasses.replace(stats)``) to these."""
+        return GraphStats(**{f.name: getattr(self, f.name) - getattr(earlier, f.name)
+                             for f in dataclasses.fields(self)})
 
 
 class _Entry:
@@ -148,6 +190,10 @@ class GraphedCalls:
             captures (besides those for moved inputs) no new caller gets one. 0 turns the owned
             tier off.
 
+    Attributes:
+        stats: what the calls did (:class:`GraphStats`: direct calls, captures, replays of each
+            tier, bytes copied in and out); :meth:`reset_stats` starts it again.
+
     Raises:
         ValueError: ``max_entries < 1``, ``capture_after < 1`` or ``max_owned < 0``.
     """
@@ -169,6 +215,13 @@ class GraphedCalls:
         # (32 MiB on Hopper) for every stream cuBLAS ran on, so a new stream per capture held one per graph
         self._capture_streams: dict[tuple[int, int], torch.cuda.Stream] = {}
         self._lock = threading.RLock()
+        self.stats = GraphStats()   # counts of what the calls did (:class:`GraphStats`)
+
+    def reset_stats(self) -> GraphStats:
+        """Start :attr:`stats` from zero; returns the counts until now."""
+        with self._lock:
+            before, self.stats = self.stats, GraphStats()
+        return before
 
     def __len__(self) -> int:
         return len(self._entries) + len(self._owned)
@@ -247,6 +300,8 @@ class GraphedCalls:
         sig = (key, *where, len(streams),
                tuple(None if t is None else (tuple(t.shape), t.stride(), t.dtype, t.device) for t in tensors))
         with self._lock:
+            stats = self.stats
+            stats.calls += 1
             entry = self._entries.get(sig)
             if entry is None:
                 n = self._calls.get(sig, 0)
@@ -264,36 +319,39 @@ class GraphedCalls:
                     if len(self._calls) > 16 * self.max_entries:
                         self._calls.clear()
                     self._calls[sig] = n + 1
+                    stats.direct += 1
                     return fn(*tensors, streams=streams)
                 entry = self._capture(fn, sig, tensors, streams, keep, where)
                 if entry is None:
+                    stats.direct += 1
                     return fn(*tensors, streams=streams)
             else:
                 self._entries.move_to_end(sig)
                 own = None if owner is None else self._owned_entry(fn, sig, entry, tensors, streams, keep, where,
                                                                    owner, steady)
-                self._copy_in(entry, tensors, () if own is None else own.reads)
+                stats.bytes_in += self._copy_in(entry, tensors, () if own is None else own.reads)
                 if own is not None:   # outputs of the caller's own graph, no copy out
                     self._replay(own, streams)
+                    stats.owned_replays += 1
                     return tuple(o.detach() for o in own.outputs)
             self._replay(entry, streams)
+            stats.copying_replays += 1
             outputs = [torch.empty_like(o) if o.numel() else o for o in entry.outputs]
             full = [i for i, o in enumerate(entry.outputs) if o.numel()]
-            _copy([outputs[i] for i in full], [entry.outputs[i] for i in full])
+            stats.bytes_out += _copy([outputs[i] for i in full], [entry.outputs[i] for i in full])
             return tuple(outputs)
 
     @staticmethod
-    def _copy_in(entry: _Entry, tensors: Sequence[torch.Tensor | None], reads: tuple = ()) -> None:
+    def _copy_in(entry: _Entry, tensors: Sequence[torch.Tensor | None], reads: tuple = ()) -> int:
         """This call's inputs into the copying graph's static buffers, but those that the graph to be
-        replayed reads where they are (``reads``: (index, address) pairs)."""
+        replayed reads where they are (``reads``: (index, address) pairs). Returns the bytes copied."""
         skip = {i for i, _ in reads}
         dsts, srcs = [], []
         for i, (dst, src) in enumerate(zip(entry.inputs, tensors)):
             if dst is not None and i not in skip and dst.numel():
                 dsts.append(dst)
                 srcs.append(src)
-        if dsts:
-            _copy(dsts, srcs)
+        return _copy(dsts, srcs) if dsts else 0
 
     @staticmethod
     def _replay(entry: _Entry, streams: tuple[SRStream, ...]) -> None:
@@ -471,6 +529,7 @@ class GraphedCalls:
                           f"({type(err).__name__}: {err}); {failure}", RuntimeWarning, stacklevel=5)
             return None
         del returned
+        self.stats.captures += 1
         return graph, tuple((ref, torch._C._storage_Use_Count(ref.cdata))
                             for ref in (StorageWeakRef(o.untyped_storage()) for o in outputs))
 
@@ -506,6 +565,7 @@ class GraphedCalls:
         # only those need their state carried in and out on replay
         used = tuple((i, t) for i, (t, b) in enumerate(zip(twins, before)) if not torch.equal(t.get_state(), b))
         self._captures += 1
+        self.stats.captures += 1
         entry = _Entry(graph, inputs, tuple(outputs), used, tuple(keep))
         self._entries[sig] = entry
         while len(self._entries) > self.max_entries:

@@ -391,6 +391,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
         else:
             peak, kind = int(peak_rss), "cpu peak resident set size of the process"
         steady = step_times[timing_warmup:] if len(step_times) > timing_warmup else step_times
+        graphs = LAYER_GRAPHS.stats.since(graphs_at[len(step_times) - len(steady)])
         now = time.perf_counter()
         return RunResult(
             name=cfg.name, precision=cfg.precision, status=status, message=message,
@@ -406,6 +407,7 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
             tokens_per_s_all_steps=tokens_per_step * len(step_times) / sum(step_times) if step_times else 0.0,
             warmup_time_s=sum(step_times[:len(step_times) - len(steady)]), timed_steps=len(steady),
             step_ms_median=1e3 * statistics.median(steady) if steady else None,
+            layer_graphs=dataclasses.asdict(graphs) if device.type == "cuda" else None,
             health_time_s=health_time if cfg.health_interval else None,
             precision_segments=(segments + [{"precision": cfg.precision,
                                              "from_step": segments[-1]["to_step"],
@@ -449,6 +451,8 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                           optimizer=optimizer if cfg.graph_optimizer else None) if cfg.cuda_graph else None
     timing_warmup = cfg.timing_warmup_steps if cfg.timing_warmup_steps is not None else min(10, cfg.steps // 5)
     step_times: list[float] = []
+    # the layers' CUDA graphs' counts when the timed steps begin (cuda_graphs.GraphStats)
+    graphs_at = {0: dataclasses.replace(LAYER_GRAPHS.stats)}
     health_time = 0.0
     spike = {what: SpikeDetector(z=cfg.spike_z) for what in ("loss", "gradient norm")} if cfg.spike_z else {}
     if cfg.falls_back and start_step == 0:
@@ -569,6 +573,8 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                 optimizer.step()   # (a graph with the optimizer inside has already updated)
             dt = time.perf_counter() - t0
             step_times.append(dt)
+            if len(step_times) == timing_warmup:
+                graphs_at[timing_warmup] = dataclasses.replace(LAYER_GRAPHS.stats)
             last_loss = loss_val
             peak_rss = max(peak_rss, rss_bytes())
             done = step + 1

@@ -29,6 +29,11 @@ class RunResult:
             CUDA-graph capture, kernel compilation), whose time is ``warmup_time_s``;
             ``tokens_per_s_all_steps`` counts every step, and ``step_ms_median`` is the median
             steady-state step.
+        layer_graphs: on a GPU, what the NVFP4 layers' own CUDA graphs did in the steady-state steps
+            (:class:`nvfp4lab.cuda_graphs.GraphStats` of ``nvfp4lab.linear.LAYER_GRAPHS`` as a dict:
+            calls run directly, captures, replays, bytes copied in and out); all zero where the
+            layers replay no graphs of their own (BF16, or inside a captured step). Bytes copied
+            in a steady step mean activations the layers' graphs could not read where they are.
         peak_memory_bytes: described by ``peak_memory_kind``.
         precision_segments: after a fallback, ``[{"precision", "from_step", "to_step", "ended_by"}]`` for
             each precision the run trained in (steps ``from_step`` to ``to_step``, exclusive; a segment
@@ -69,6 +74,7 @@ class RunResult:
     warmup_time_s: float | None = None
     timed_steps: int | None = None
     step_ms_median: float | None = None
+    layer_graphs: dict[str, int] | None = None
     health_time_s: float | None = None
     precision_segments: list[dict[str, Any]] | None = None
     world_size: int = 1

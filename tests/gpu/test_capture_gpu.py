@@ -5,6 +5,7 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_capture_gpu.py``. SR draw
 bits in eager code and in every replay, which draws fresh keys.
 """
 
+import dataclasses
 import gc
 
 import pytest
@@ -101,7 +102,7 @@ def test_nvfp4linear_forward_backward_captured_by_the_user(recipe):
 
 # ---------------------------------------------------------------- the layer's own graphs (eager)
 from nvfp4lab import kernels  # noqa: E402
-from nvfp4lab.cuda_graphs import GraphedCalls  # noqa: E402
+from nvfp4lab.cuda_graphs import GraphedCalls, GraphStats  # noqa: E402
 from nvfp4lab.linear import LAYER_GRAPHS  # noqa: E402
 
 
@@ -292,7 +293,17 @@ def test_owned_graphs_read_steady_inputs_and_streams_where_they_are():
     (_, fown), _ = owned()
     assert fown.last.reads == ((0, x.data_ptr()), (1, layer.weight.data_ptr()), (2, layer.bias.data_ptr()))
 
+    before = dataclasses.replace(LAYER_GRAPHS.stats)
     both(14, 4, move_x=True)
+    moved = LAYER_GRAPHS.stats.since(before)
+    # the forward: its own graph, with each step's new X copied in (one capture: the graph reading
+    # the weight and the bias in place, X from the shared buffer). The backward: the shared graph,
+    # its outputs copied out (dX, dW, db), because the weights kept above still hold gradients its
+    # own graph wrote (a held output is never overwritten)
+    xbytes, outbytes = 512 * 1024 * 2, 512 * 1024 * 2 + 768 * 1024 * 2 + 768 * 2
+    assert moved == GraphStats(calls=8, captures=1, owned_replays=4, copying_replays=4, bytes_in=moved.bytes_in,
+                               bytes_out=4 * outbytes), moved
+    assert moved.bytes_in >= 4 * xbytes, "each step's new X copied in"
     (_, fown), (_, bown) = owned()
     assert fown.last.reads == ((1, layer.weight.data_ptr()), (2, layer.bias.data_ptr())), "X that keeps moving is copied in"
     assert 1 in [i for i, _ in bown.last.reads], "the saved copies are read in place"
@@ -325,7 +336,9 @@ def test_layer_graph_captures_keep_the_callers_cached_memory():
     del cached   # a free block the allocator keeps
     reserved = torch.cuda.memory_reserved()
     seen = []
-    for _ in range(8):
+    for step in range(8):
+        if step == 6:
+            before = dataclasses.replace(LAYER_GRAPHS.stats)
         x = base.clone().requires_grad_()   # a new activation each step
         layer.weight.grad = layer.bias.grad = None
         layer(x).backward(gy)
@@ -334,6 +347,8 @@ def test_layer_graph_captures_keep_the_callers_cached_memory():
     assert torch.cuda.memory_reserved() >= reserved, "a capture emptied the allocator's cache"
     fown = next(own for who, own in LAYER_GRAPHS._owned.items() if who[1][0] == "fprop")
     assert len(set(seen[-4:])) == 1 and fown.last.reads[0] == (0, seen[-1]), "X read where it is"
+    assert LAYER_GRAPHS.stats.since(before) == GraphStats(calls=4, owned_replays=4), \
+        "the last two steps: the layer's own graphs replayed, nothing copied or captured"
 
 
 def test_clearing_the_layer_graphs_gives_their_memory_back():

@@ -63,3 +63,21 @@ def test_graph_with_optimizer_skips_a_nonfinite_step_like_eager(tmp_path, monkey
     eager = train(TrainConfig(out=str(tmp_path / "eager"), **common))
     assert graph.skipped_steps == eager.skipped_steps == 1
     assert abs(graph.final_val_loss - eager.final_val_loss) < 0.02 * eager.final_val_loss
+
+
+def test_eager_steady_steps_replay_the_layer_graphs_without_copies(tmp_path):
+    """``RunResult.layer_graphs`` over an eager run's timed steps: every NVFP4 layer call, forward and
+    backward, replays that layer's own CUDA graph (no direct call, no capture, nothing copied out),
+    and, the allocator having settled during the warm-up steps, no activation is copied in either:
+    the layers read X and dY where they are (before a35272c every layer copied both in on every
+    step). BF16 layers use no layer graphs: all counts zero."""
+    common = dict(preset="ci", steps=20, timing_warmup_steps=10, device="cuda", progress=False, plot=False,
+                  eval_interval=20, cooldown_frac=0.0)
+    r = train(TrainConfig(precision="nvfp4", out=str(tmp_path / "nvfp4"), **common))
+    g, n = r.layer_graphs, r.layers["nvfp4"]
+    assert r.timed_steps == 10 and n > 0
+    assert g["calls"] == g["owned_replays"] == 2 * n * r.timed_steps, g
+    assert g["direct"] == g["captures"] == g["copying_replays"] == g["bytes_out"] == 0, g
+    assert g["bytes_in"] == 0, g
+    b = train(TrainConfig(precision="bf16", out=str(tmp_path / "bf16"), **common))
+    assert set(b.layer_graphs.values()) == {0}
