@@ -12,7 +12,7 @@ host and does not cancel exactly between the two runs) and the rest (element-wis
 norms, the optimizer). Where the two runs did different work outside their extra
 steps (a kind of kernel with negative time per step, a compute kernel launched a fractional number
 of times per step; under ``torch.compile``, Inductor's compile-time kernels or fusions can differ between
-the runs), that precision and mode get a list of ``problems`` and the script exits with status 1
+the runs: a short unprofiled run first fills its caches, so that neither profiled run tunes kernels), that precision and mode get a list of ``problems`` and the script exits with status 1
 after writing the file. The profiler slows the host, so its runs' tokens/s are not the benchmark's
 (``bench_api.py``); kernel times are what it measures. ``layer_graphs_per_step``: what the NVFP4
 layers' own CUDA graphs did per steady step of the longer run (its ``RunResult.layer_graphs`` over
@@ -107,6 +107,14 @@ def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, An
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
         for precision in ("bf16", "nvfp4"):
+            if MODES[mode].get("compile"):
+                # an unprofiled run first: on a cold cache Inductor benchmarks its kernels' configs the
+                # first time they launch (extra launches in whichever profiled run compiled first, which
+                # the difference then refuses); after this run both profiled runs find them cached
+                torch._dynamo.reset()
+                train(TrainConfig(preset="gpt2-small", precision=precision, steps=2, device=device,
+                                  out=f"{tmp}/{mode}-{precision}-warm", progress=False, plot=False, eval_interval=2,
+                                  checkpoint_interval=0, **MODES[mode]))
             runs = []
             for n in (steps, steps + extra):
                 cfg = TrainConfig(preset="gpt2-small", precision=precision, steps=n, device=device,
