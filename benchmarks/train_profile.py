@@ -106,21 +106,20 @@ def difference_problems(per_step: dict[str, float], kernels: list[dict[str, Any]
 def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, Any]:
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as tmp:
+        def config(precision: str, n: int, tag: str) -> TrainConfig:
+            """gpt2-small in ``precision`` and this mode for ``n`` steps, validated once, at its end."""
+            return TrainConfig(preset="gpt2-small", precision=precision, steps=n, device=device,
+                               out=f"{tmp}/{mode}-{precision}-{tag}", progress=False, plot=False, eval_interval=n,
+                               checkpoint_interval=0, **MODES[mode])
+
         for precision in ("bf16", "nvfp4"):
             if MODES[mode].get("compile"):
                 # an unprofiled run first: on a cold cache Inductor benchmarks its kernels' configs the
                 # first time they launch (extra launches in whichever profiled run compiled first, which
                 # the difference then refuses); after this run both profiled runs find them cached
                 torch._dynamo.reset()
-                train(TrainConfig(preset="gpt2-small", precision=precision, steps=2, device=device,
-                                  out=f"{tmp}/{mode}-{precision}-warm", progress=False, plot=False, eval_interval=2,
-                                  checkpoint_interval=0, **MODES[mode]))
-            runs = []
-            for n in (steps, steps + extra):
-                cfg = TrainConfig(preset="gpt2-small", precision=precision, steps=n, device=device,
-                                  out=f"{tmp}/{mode}-{precision}-{n}", progress=False, plot=False, eval_interval=n,
-                                  checkpoint_interval=0, **MODES[mode])
-                runs.append(kernel_ms(cfg))
+                train(config(precision, 2, "warm"))
+            runs = [kernel_ms(config(precision, n, str(n))) for n in (steps, steps + extra)]
             (cat0, name0, _), (cat1, name1, res) = runs
             per_step = {c: (cat1.get(c, 0.0) - cat0.get(c, 0.0)) / extra for c in sorted(set(cat0) | set(cat1))}
             kernels = sorted(((k, (c - name0.get(k, (0, 0.0))[0]) / extra, (ms - name0.get(k, (0, 0.0))[1]) / extra)
