@@ -115,8 +115,9 @@ def profile_mode(mode: str, steps: int, extra: int, device: str) -> dict[str, An
         for precision in ("bf16", "nvfp4"):
             if MODES[mode].get("compile"):
                 # an unprofiled run first: on a cold cache Inductor benchmarks its kernels' configs the
-                # first time they launch (extra launches in whichever profiled run compiled first, which
-                # the difference then refuses); after this run both profiled runs find them cached
+                # first time they launch (CachingAutotuner.autotune_to_one_config in PyTorch's
+                # torch/_inductor/runtime/triton_heuristics.py): extra launches in whichever profiled run
+                # compiled first, which the difference then refuses; after this run both find them cached
                 torch._dynamo.reset()
                 train(config(precision, 2, "warm"))
             runs = [kernel_ms(config(precision, n, str(n))) for n in (steps, steps + extra)]
