@@ -600,10 +600,13 @@ def _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN: tl.constexpr):
 
 
 @triton.jit
-def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl.constexpr):
+def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl.constexpr,
+                  SCALE: tl.constexpr = True):
     """The RHT of columnwise blocks held as 16 slices (tuple of 16 [G, BK], slice i = element i of
     every block): the 4-stage butterfly of :func:`_rht16` as element-wise add/sub between slices,
-    with the same numerics (exact in float64, one rounding to float32, then to bf16)."""
+    with the same numerics (exact in float64, one rounding to float32, then to bf16). Not SCALE
+    (FP32 only, no rounding to bf16): the butterfly's sums without the final 1/4, for an amax
+    that scales its one maximum instead (see :func:`_slices_amax_bits`)."""
     if F64:
         ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
@@ -615,7 +618,7 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     if F64:
         ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-    else:
+    elif SCALE:
         ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     if ROUND_BF16:
         ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
@@ -623,12 +626,22 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
 
 
 @triton.jit
-def _slices_amax_bits(ys):
-    """NaN-propagating max |y| over 16 slices (a tuple of [G, BK] tensors) as int32 bits."""
-    m = _abs_bits(ys[0])
+def _slices_amax_bits(ys, SCALE: tl.constexpr = 1.0):
+    """NaN-propagating max |y| over 16 slices (a tuple of [G, BK] float32 tensors), times SCALE,
+    as int32 bits.
+
+    Each thread keeps a float max that propagates NaN (PTX ``max.NaN.f32``: one FMNMX with the
+    |y| folded in, where the int32 max of :func:`_abs_bits` takes two ALU instructions); the
+    threads' maxima are then combined as int32 bits (:func:`_abs_bits`' order; any NaN's bits
+    exceed +inf's). SCALE (a power of two) multiplies the one maximum: ``RN(SCALE·t)`` is
+    monotone in t, so ``max RN(SCALE·|y|) = RN(SCALE·max |y|)`` bit for bit, NaN and Inf
+    included: the FP32 amax pass leaves the RHT's 1/4 out of its butterfly and scales here."""
+    m = tl.abs(ys[0])
     for i in tl.static_range(1, 16):
-        m = tl.maximum(m, _abs_bits(ys[i]))
-    return tl.max(tl.max(m, axis=1), axis=0)
+        m = tl.maximum(m, tl.abs(ys[i]), propagate_nan=tl.PropagateNan.ALL)
+    if SCALE != 1.0:
+        m = m * SCALE
+    return tl.max(tl.max(m.to(tl.int32, bitcast=True), axis=1), axis=0)
 
 
 @triton.jit
@@ -823,13 +836,17 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
     if ROW:
         tl.atomic_max(amax_ptr, _slices_amax_bits(xs))
     if COL_RHT:
-        if RHT_F64 and ROUND_BF16:
-            bits, ok = _certain_bf16_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False)))
-            if not ok:
-                bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, FB, SIGN_MASK,
-                                                         EVEN, I64), True)
-        else:
-            bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, RHT_F64, False)), ROUND_BF16)
+        if RHT_F64 and not ROUND_BF16:   # FP32/FP16 input: the FP64 butterfly
+            bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, True, False))
+        else:   # the FP32 butterfly, its 1/4 applied to the one maximum (_slices_amax_bits)
+            bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25)
+            if RHT_F64:
+                bits, ok = _certain_bf16_max(bits)
+                if not ok:
+                    bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, FB, SIGN_MASK,
+                                                             EVEN, I64), True)
+            else:
+                bits = _rounded_max(bits, ROUND_BF16)
         tl.atomic_max(amax_ptr + 1, bits)
 
 
