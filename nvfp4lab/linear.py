@@ -410,6 +410,14 @@ def _fprop_switched(state: _LayerState, x2d, weight, bias, need_dgrad: bool, nee
     return y, qxt, qwt
 
 
+def _dbias(dy: torch.Tensor, bias_dtype: torch.dtype) -> torch.Tensor:
+    """The bias gradient: the FP32-accumulated column sum of the unquantized dY [M, N], cast to
+    ``bias_dtype`` (TE computes ``dbias`` from the high-precision grad_output). ``sum(dtype=)``
+    accumulates in FP32 as it reads dY once, where ``dy.float().sum(0)`` (the same rule) first
+    writes an FP32 copy of dY and then reads that copy."""
+    return dy.sum(0, dtype=torch.float32).to(bias_dtype)
+
+
 def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torch.dtype, w_dtype: torch.dtype,
            bias_dtype: torch.dtype | None, need_dgrad: bool, need_wgrad: bool, need_dbias: bool,
            out: tuple[torch.Tensor, torch.Tensor] | None = None):
@@ -448,7 +456,7 @@ def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torc
     if need_wgrad:
         dw = _matmul(state, qdyt, qxt, w_dtype, None, out_dw)   # Wgrad
     if need_dbias:
-        db = dy.to(torch.float32).sum(0).to(bias_dtype)
+        db = _dbias(dy, bias_dtype)
     return dx, dw, db
 
 
@@ -479,7 +487,7 @@ def _bprop_switched(state: _LayerState, dy, qxt, qwt, K, x_dtype, w_dtype, bias_
         dw = ((dy.t().to(x_dtype) @ qxt.to(x_dtype)).to(w_dtype) if "wgrad" in hp
               else state.quantizer.matmul(qdyt, qxt, out_dtype=w_dtype))
     if need_dbias:
-        db = dy.to(torch.float32).sum(0).to(bias_dtype)
+        db = _dbias(dy, bias_dtype)
     return dx, dw, db
 
 
