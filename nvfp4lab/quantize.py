@@ -331,26 +331,27 @@ class NVFP4Tensor:
         )
 
 
-def _amax_argument(amax, device, check: bool) -> torch.Tensor:
-    """The caller's ``amax`` as a 0-d float32 tensor on ``device`` (validated without a host read
-    for Python numbers; tensors are read only when ``check``)."""
+def _amax_argument(amax, device) -> torch.Tensor:
+    """The caller's ``amax`` as a 0-d float32 tensor on ``device``. A Python number is validated
+    here (no host read); a tensor's value is not read here: :func:`_check_values` reads it with
+    the input's check, once the kernels are launched (one host read for both)."""
     if isinstance(amax, torch.Tensor):
         if amax.numel() != 1:
             raise ValueError(f"amax must be a single value, got shape {tuple(amax.shape)}")
         if amax.dtype == torch.float32 and amax.dim() == 0 and not amax.requires_grad and amax.device == device:
-            a = amax   # what the line below returns for it, without its three tensor operations
-        else:
-            a = amax.detach().to(device=device, dtype=torch.float32).reshape(())
-        value = float(a) if check else 0.0
-    else:
-        try:
-            value = float(amax)
-        except (TypeError, ValueError):
-            raise TypeError(f"amax must be a number or a one-element tensor, got {type(amax).__name__}") from None
-        a = torch.full((), value, dtype=torch.float32, device=device)  # a fill kernel: capturable
+            return amax   # what the line below returns for it, without its three tensor operations
+        return amax.detach().to(device=device, dtype=torch.float32).reshape(())
+    try:
+        value = float(amax)
+    except (TypeError, ValueError):
+        raise TypeError(f"amax must be a number or a one-element tensor, got {type(amax).__name__}") from None
+    _check_amax_value(value)
+    return torch.full((), value, dtype=torch.float32, device=device)  # a fill kernel: capturable
+
+
+def _check_amax_value(value: float) -> None:
     if math.isnan(value) or value < 0:
         raise ValueError(f"amax must be a non-negative number, got {value}")
-    return a
 
 
 def _capturing() -> bool:
@@ -385,8 +386,10 @@ def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht:
     read already started (:func:`_start_host_read`). A caller-given amax says nothing about
     ``x2``, which one ``torch.aminmax`` pass then checks.
     """
-    if amax_given:
-        lo, hi = (float(v) for v in torch.aminmax(x2))
+    if amax_given:   # one host read: the given amax (validated here) and x2's min and max
+        lo, hi = torch.aminmax(x2)
+        given, lo, hi = torch.stack([amax_t.float(), lo.float(), hi.float()]).tolist()
+        _check_amax_value(given)
         has_nan, has_inf = math.isnan(lo) or math.isnan(hi), math.isinf(lo) or math.isinf(hi)
     else:
         a = read() if read is not None else float(amax_t.detach())
@@ -509,7 +512,8 @@ def quantize(
         check: raise on NaN and warn on ±Inf, from the amax the quantization computes anyway
             (one host read of one scalar, which on CUDA waits for the amax kernel alone while the
             quantize kernel runs; with ``amax=`` given, one min/max pass over ``x``
-            instead). ``False`` skips it, so the call never synchronises with the device; it is
+            instead, read with a tensor ``amax`` in one host read after the quantize kernel
+            is launched). ``False`` skips it, so the call never synchronises with the device; it is
             skipped on its own while a CUDA graph is being captured and under ``torch.compile``,
             where a host read is impossible. Unchecked, a NaN input gives a NaN amax, and every
             GEMM output using the tensor is NaN.
@@ -542,7 +546,8 @@ def quantize(
             it and TE's reference would silently emit code 0), a 0-d input,
             ``block="2d"`` on a 1-D tensor, an unknown ``block`` / ``rounding``,
             ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax`` (a tensor
-            ``amax`` is read only when ``check``).
+            ``amax`` is read only when ``check``, after the quantization ran: an SR
+            generator has then advanced).
         TypeError: ``amax`` is neither a number nor a tensor (a tensor of more than one
             element raises ValueError).
 
@@ -572,7 +577,7 @@ def quantize(
     M = math.prod(shape[:-1])
     device = x.device
     check = check and not _capturing()
-    amax_in = None if amax is None else _amax_argument(amax, device, check)
+    amax_in = None if amax is None else _amax_argument(amax, device)
 
     def result(data, scale, amax_t, values=None):
         return NVFP4Tensor(

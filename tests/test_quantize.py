@@ -130,6 +130,24 @@ def test_amax_override():
         quantize(x, amax=-1.0)
 
 
+@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+def test_given_amax_tensor_is_checked_with_the_input(bad):
+    """A tensor amax is validated by the check's one host read (after the kernels), not before;
+    check=False reads neither it nor x. A NaN in x still raises with a valid given amax."""
+    x = torch.randn(16, 64)
+    with pytest.raises(ValueError, match="amax must be a non-negative number"):
+        quantize(x, amax=torch.tensor(bad))
+    quantize(x, amax=torch.tensor(bad), check=False)   # unchecked: no read, no error
+    xn = x.clone()
+    xn[3, 5] = float("nan")
+    with pytest.raises(ValueError, match="NaN"):
+        quantize(xn, amax=torch.tensor(4.0))
+    with pytest.warns(RuntimeWarning, match="Inf"):
+        xi = x.clone()
+        xi[0, 0] = float("inf")
+        quantize(xi, amax=torch.tensor(4.0))
+
+
 # ---------------------------------------------------------------- shapes and layout
 
 
