@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             pass
 
     rows_grid = (M // cfg["BM"], (K // 16) // 16)
-    rows_args = (x, M, K, x.stride(0), amax, seeds, d.view(torch.int32), s, s, K // 8, K // 16, K // 2, 1 / 6)
+    rows_args = (x, M, K, x.stride(0), amax, seeds, d.view(torch.int32), s, s, s, K // 8, K // 16, K // 2, 1 / 6)
     rows_constexprs = dict(SR=False, VALUES=False, WORDS=True, BM=cfg["BM"], NB=16, REVERSE=False, EVEN=True,
                            I64=False)
     pieces: dict[str, Callable[[], Any]] = {

@@ -102,8 +102,8 @@ def cases():
     """name -> (kernel, args, num_warps, elements per thread): the configurations the dispatcher
     uses for 8192x8192 BF16 inputs (``nvfp4lab.kernels.options().config``)."""
     rows = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", amax_ptr="*fp32:D", seed_ptr="*i64:D",
-                d32_ptr="*i32:D", s_ptr="*u8:D", v32_ptr="*i32:D", d32_rs="i32:D", s_rs="i32:D", v32_rs="i32:D",
-                inv6="fp32", WORDS=True, REVERSE=False, EVEN=True, I64=False, CODES=True)
+                d32_ptr="*i32:D", s_ptr="*u8:D", v32_ptr="*i32:D", obs_ptr="*i32:D", d32_rs="i32:D", s_rs="i32:D", v32_rs="i32:D",
+                inv6="fp32", WORDS=True, REVERSE=False, EVEN=True, I64=False, CODES=True, OBSERVE=False)
     sl = dict(x_ptr="*bf16:D", M="i32:D", K="i32:D", sxm="i32:D", sxk=1, amax_ptr="*fp32:D",
               amaxt_ptr="*fp32:D", seed_ptr="*i64:D", d_ptr="*u8:D", s_ptr="*u8:D", dt32_ptr="*i32:D", st_ptr="*u8:D",
               v_ptr="*i16:D", vt_ptr="*i16:D", d_rs="i32:D", s_rs="i32:D", dt32_rs="i32:D", st_rs="i32:D",

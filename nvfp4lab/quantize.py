@@ -377,20 +377,26 @@ def _start_host_read(t: torch.Tensor) -> Callable[[], float]:
 
 
 def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht: bool,
-                  read: Callable[[], float] | None = None) -> None:
+                  read: Callable[[], float] | None = None, observed: torch.Tensor | None = None) -> None:
     """Raise on NaN and warn on ±Inf in ``x2`` [M, K].
 
     The computed amax (``max |x|``, post-RHT with the RHT) propagates NaN and is infinite when
     ``x2`` holds ±Inf, so one scalar read answers both (an infinite post-RHT amax is confirmed on
     ``x2``: the transform of values near float32's max overflows); ``read``, when given, is that
     read already started (:func:`_start_host_read`). A caller-given amax says nothing about
-    ``x2``, which one ``torch.aminmax`` pass then checks.
+    ``x2``: its max |x| as the quantize kernel ``observed`` it (0-d, NaN-propagating; the rowwise
+    kernel's ``OBSERVE``), or else one ``torch.aminmax`` pass, is read in one host read with the
+    given amax, which is validated there.
     """
-    if amax_given:   # one host read: the given amax (validated here) and x2's min and max
-        lo, hi = torch.aminmax(x2)
-        given, lo, hi = torch.stack([amax_t.float(), lo.float(), hi.float()]).tolist()
+    if amax_given:
+        if observed is None:
+            lo, hi = torch.aminmax(x2)
+            seen = torch.stack([lo.float(), hi.float()])
+        else:
+            seen = observed.reshape(1)
+        given, *seen = torch.cat([amax_t.float().reshape(1), seen]).tolist()
         _check_amax_value(given)
-        has_nan, has_inf = math.isnan(lo) or math.isnan(hi), math.isinf(lo) or math.isinf(hi)
+        has_nan, has_inf = any(math.isnan(v) for v in seen), any(math.isinf(v) for v in seen)
     else:
         a = read() if read is not None else float(amax_t.detach())
         has_nan, has_inf = math.isnan(a), math.isinf(a)
@@ -604,13 +610,16 @@ def quantize(
     if kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask):
         # the check's read of the amax starts once its kernel is launched: it overlaps the quantize kernel
         on_amax = (lambda a: reads.append(_start_host_read(a))) if check and x.is_cuda else None  # noqa: E731
-        data, scale, amax_t = kernels.quantize_rowwise(
+        out = kernels.quantize_rowwise(
             x, block2d=block == "2d", rht=rht, sr=rounding == "stochastic", sign_mask=mask,
-            generator=generator, amax=amax_in, on_amax=on_amax)
+            generator=generator, amax=amax_in, on_amax=on_amax, observe=check and amax_in is not None)
+        data, scale, amax_t = out[:3]
+        observed = out[3] if len(out) == 4 else None   # max |x| from the rows kernel (a given amax)
     else:
         data, scale, amax_t = _quantize_reference(x.reshape(M, K), block, rht, rounding, generator, amax_in, signs)
+        observed = None
     if check:
-        _check_values(x.reshape(M, K), amax_t, amax_in is not None, rht, reads[0] if reads else None)
+        _check_values(x.reshape(M, K), amax_t, amax_in is not None, rht, reads[0] if reads else None, observed)
     return result(data, scale, amax_t)
 
 

@@ -398,6 +398,33 @@ def test_one_block_per_thread_kernels_equal_tile_kernels(kernel_options, shape, 
     assert torch.equal(bv2, bv2_t) and torch.equal(bv1, bv1_t)
 
 
+@pytest.mark.parametrize("special", ["none", "nan", "inf", "-inf"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_rows_kernel_observes_max_abs_with_a_given_amax(special, dtype):
+    """OBSERVE (quantize's check with a given amax): the rows kernel also writes max |x| (NaN
+    propagated, Inf kept) to its observation slot, and without NaN its codes and scales are those
+    of the kernel without OBSERVE."""
+    x = _x((48, 256), dtype, seed=23)
+    if special != "none":
+        x[7, 100] = float(special)
+    x2, a = x.reshape(-1, x.shape[-1]), torch.tensor(3.0)
+    out = []
+    for observe in (False, True):
+        d = torch.empty(48, 128, dtype=torch.uint8)
+        s = torch.empty(48, 16, dtype=torch.uint8)
+        obs = torch.zeros(2)
+        kernels._launch_rows(x2, kernels._rows_args(x2, a, obs, d, s, obs, obs), kernels.options().config,
+                             sr=False, values=False, after_amax=False, i64=False, observe=observe)
+        out.append((d, s, obs[0]))
+    (d0, s0, unobserved), (d1, s1, seen) = out
+    assert unobserved == 0   # without OBSERVE the slot is not written
+    if special == "nan":
+        assert torch.isnan(seen)
+    else:
+        assert seen == x2.float().abs().max()   # exact: a max, with +Inf for either infinity
+        assert torch.equal(d0, d1) and torch.equal(s0, s1)
+
+
 @pytest.mark.parametrize("shape", [(64, 64), (32, 48), (48, 256)], ids=str)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("kw", [dict(), dict(rht=True), dict(block="2d"), dict(rht=True, rounding="stochastic")],

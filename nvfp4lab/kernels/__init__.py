@@ -471,12 +471,14 @@ def _amax_args(x2: torch.Tensor, buf: torch.Tensor) -> tuple:
 
 
 def _rows_args(x2: torch.Tensor, a_row: torch.Tensor, seeds: torch.Tensor, d: torch.Tensor, s: torch.Tensor,
-               v32: torch.Tensor) -> tuple:
+               v32: torch.Tensor, obs: torch.Tensor) -> tuple:
     """The runtime arguments of ``quantize_rows_kernel`` for x2 [M, K] (``d``: packed codes
     ``uint8 [M, K/2]``; ``v32``: the BF16 values ``[M, K]`` viewed as int32, or any pointer when
-    the kernel does not write them)."""
+    the kernel does not write them; ``obs``: a zeroed float32 tensor whose first element gets
+    max |x| with ``OBSERVE``, or any pointer without)."""
     M, K = x2.shape
-    return (x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s, v32, K // 8, K // 16, K // 2, _INV6)
+    return (x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s, v32, obs.view(torch.int32),
+            K // 8, K // 16, K // 2, _INV6)
 
 
 def _rows_config(config: Mapping, K: int, values: bool, after_amax: bool) -> Mapping:
@@ -503,7 +505,7 @@ def _launch_amax(x2: torch.Tensor, buf: torch.Tensor, config: Mapping, *, row: b
 
 
 def _launch_rows(x2: torch.Tensor, args: tuple, config: Mapping, *, sr: bool, values: bool, after_amax: bool,
-                 i64: bool, codes: bool = True) -> tuple[tuple | None, tuple]:
+                 i64: bool, codes: bool = True, observe: bool = False) -> tuple[tuple | None, tuple]:
     """Launch ``quantize_rows_kernel`` on x2 [M, K] with ``args`` (:func:`_rows_args`), its tile from
     :func:`_rows_config` (``codes=False``: the BF16 values alone, with ``values``); returns
     :func:`_launch`'s cache entry and the grid."""
@@ -515,7 +517,7 @@ def _launch_rows(x2: torch.Tensor, args: tuple, config: Mapping, *, sr: bool, va
     words = x2.dtype == torch.bfloat16 and x2.data_ptr() % 4 == 0 and x2.stride(0) % 2 == 0
     entry = _launch(_kernels().quantize_rows_kernel, grid, *args, SR=sr, VALUES=values, WORDS=words, BM=BM, NB=NB,
                     REVERSE=after_amax, EVEN=(M % BM == 0 and (K // 16) % NB == 0), I64=i64,
-                    CODES=codes or not values, num_warps=cfg["num_warps"])
+                    CODES=codes or not values, OBSERVE=observe, num_warps=cfg["num_warps"])
     return entry, grid
 
 
@@ -538,7 +540,7 @@ _PLANS_MAX = 256
 
 
 def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | None,
-                   on_amax: Callable[[torch.Tensor], Any] | None = None) -> tuple | None:
+                   on_amax: Callable[[torch.Tensor], Any] | None = None, observe: bool = False) -> tuple | None:
     """:func:`quantize_rowwise` where the one-block-per-thread kernel runs (1x16 blocks, no RHT,
     ``K % 16 == 0``, unit column stride): the public ``quantize(x)``'s usual case, at a host cost
     near that of its launches alone.
@@ -551,7 +553,9 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     :func:`_run` passes (:func:`_amax_args`, :func:`_rows_args`): the same binaries, bit-identical
     results (``tests/gpu/test_kernels_gpu.py``). Returns None where the plan does not apply — the
     interpreter, ``options().launch_cache`` off, a Triton launch hook installed, a kernel Triton
-    launches with a scratch buffer — and the caller runs :func:`_run`.
+    launches with a scratch buffer — and the caller runs :func:`_run`. ``observe`` (with ``amax``
+    given): the result has a fourth element, the input's max |x| that the kernel observed
+    (``OBSERVE``; 0-d float32, NaN where x holds NaN).
     """
     opts = _state.options
     M, K = x2.shape
@@ -561,12 +565,14 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
         return None
     ptr = x2.data_ptr()
     cur = torch.cuda.current_device()   # where Triton launches (its current stream), as in _launch
+    observe = observe and amax is not None
     sig = (M, K, x2.stride(0), x2.dtype, ptr & 15 == 0, ptr & 3 == 0, cur, id(opts), sr,
-           None if amax is None else (amax.dtype, amax.data_ptr() & 15 == 0), type(generator))
+           None if amax is None else (amax.dtype, amax.data_ptr() & 15 == 0), type(generator), observe)
     plan = _ROWS_PLANS.get(sig)
     if plan is not None and _TRITON_RUNTIME is not None and _hooks_installed():
         plan = None
-    buf = _amax_buffer(dev) if amax is None else torch.empty(2, dtype=torch.float32, device=dev)
+    # zeroed where a kernel accumulates into it: the amax kernel, or the observing rows kernel
+    buf = _amax_buffer(dev) if amax is None or observe else torch.empty(2, dtype=torch.float32, device=dev)
     if plan is not None:
         _, amax_step, rows_step = plan
         stream = torch._C._cuda_getCurrentRawStream(cur)
@@ -585,13 +591,13 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     d = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
     s = torch.empty(M, K // 16, dtype=torch.uint8, device=dev)
     seeds = _seeds(generator, dev) if sr else buf   # buf: a dummy pointer when not SR (as in _run)
-    args = _rows_args(x2, a_row, seeds, d, s, buf)
+    args = _rows_args(x2, a_row, seeds, d, s, buf, buf)
     if plan is not None and seeds.data_ptr() & 15 == 0:
         direct, grid, tail = rows_step
         direct(grid, stream, args, tail)
     else:
         entry, grid = _launch_rows(x2, args, opts.config, sr=sr, values=False, after_amax=amax is None,
-                                   i64=_i64(x2))
+                                   i64=_i64(x2), observe=observe)
         if plan is None and entry is not None and entry[2] is not None and (amax is not None or amax_step is not None) \
                 and seeds.data_ptr() & 15 == 0:
             if len(_ROWS_PLANS) >= _PLANS_MAX:
@@ -599,6 +605,8 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
             _ROWS_PLANS[sig] = (opts, amax_step, (entry[2], grid, entry[1]))   # opts kept: its id stays its own
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernel that read its keys in place (same stream)
+    if observe:
+        return d, s.view(torch.float8_e4m3fn), a_row, buf[0]
     return d, s.view(torch.float8_e4m3fn), a_row
 
 
@@ -693,7 +701,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         if row_ and not col_ and rows_kernel:
             v = new_values() if values[0] else None
             _launch_rows(x2, _rows_args(x2, a_row, seeds, dummy if d is None else d, dummy.view(u8) if s is None else s,
-                                        dummy if v is None else v.view(torch.int32)), config,
+                                        dummy if v is None else v.view(torch.int32), dummy), config,
                          sr=sr, values=v is not None, after_amax=reverse, i64=i64, codes=row_codes)
             out_v[0] = v
             return
@@ -794,7 +802,8 @@ def covers_rowwise_columnwise(x: torch.Tensor, *, block: str, rounding: str, rht
 def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = False, sr: bool = False,
                      sign_mask: int = 0, generator: torch.Generator | None = None,
                      amax: torch.Tensor | None = None,
-                     on_amax: Callable[[torch.Tensor], Any] | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                     on_amax: Callable[[torch.Tensor], Any] | None = None,
+                     observe: bool = False) -> tuple[torch.Tensor, ...]:
     """NVFP4 codes, block scales and amax of ``x`` [..., K] quantized along ``K``.
 
     The kernels behind ``nvfp4lab.quantize(x, block=, rht=, rounding=, amax=)``: one amax
@@ -805,6 +814,11 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
     ``on_amax``, when the amax kernel runs, is called with the 0-d amax it computes as soon as that
     kernel is launched, before the quantize kernel: a host read started there (``quantize``'s NaN
     check) waits for the amax alone, while the quantize kernel runs.
+
+    ``observe`` (with ``amax`` given): where the one-block-per-thread rowwise kernel runs (1x16
+    blocks, no RHT), it also reports the input's max |x| (NaN-propagating, ±Inf kept): the result
+    then has a fourth element, that 0-d float32 tensor, so that a caller's NaN/Inf check of the
+    input needs no pass of its own. Other kernels return three elements, as without ``observe``.
 
     Returns:
         ``(data, scale, amax)``: ``uint8 [M, ceil(K/2)]`` packed E2M1 codes (low nibble first),
@@ -820,7 +834,7 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
             x2.t(), row=False, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
             generator=generator, amax_row=amax if block2d else None, amax_col=amax, on_amax=on_amax)
     else:
-        fast = None if block2d or rht else _quantize_rows(x2, sr, generator, amax, on_amax)
+        fast = None if block2d or rht else _quantize_rows(x2, sr, generator, amax, on_amax, observe)
         if fast is not None:
             return fast
         data, scale, amax_t, _, _, _, _, _ = _run(

@@ -84,6 +84,12 @@ def _abs_bits(v):
 
 
 @triton.jit
+def _max_nan(a, b):
+    """``max(a, b)`` that propagates NaN (PTX ``max.NaN.f32``, one FMNMX); a reduction's combine."""
+    return tl.maximum(a, b, propagate_nan=tl.PropagateNan.ALL)
+
+
+@triton.jit
 def _amax_bits(v):
     """NaN-propagating ``max |v|`` of a 2-D tile as int32 bits (see :func:`_abs_bits`)."""
     return tl.max(tl.max(_abs_bits(v), axis=1), axis=0)
@@ -638,7 +644,7 @@ def _slices_amax_bits(ys, SCALE: tl.constexpr = 1.0):
     included: the FP32 amax pass leaves the RHT's 1/4 out of its butterfly and scales here."""
     m = tl.abs(ys[0])
     for i in tl.static_range(1, 16):
-        m = tl.maximum(m, tl.abs(ys[i]), propagate_nan=tl.PropagateNan.ALL)
+        m = _max_nan(m, tl.abs(ys[i]))
     if SCALE != 1.0:
         m = m * SCALE
     return tl.max(tl.max(m.to(tl.int32, bitcast=True), axis=1), axis=0)
@@ -964,10 +970,11 @@ def _rows_values_words(c_even, c_odd, sfv):
 
 
 @triton.jit
-def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v32_ptr, d32_rs, s_rs, v32_rs, inv6,
+def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v32_ptr, obs_ptr, d32_rs, s_rs, v32_rs,
+                         inv6,
                          SR: tl.constexpr, VALUES: tl.constexpr, WORDS: tl.constexpr, BM: tl.constexpr,
                          NB: tl.constexpr, REVERSE: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr,
-                         CODES: tl.constexpr = True):
+                         CODES: tl.constexpr = True, OBSERVE: tl.constexpr = False):
     """Rowwise 1x16 quantization of x [M, K] (K % 16 == 0, unit column stride), one block per thread.
 
     Each program takes BM rows x NB blocks (grid: row tiles x block tiles); a thread holds the
@@ -984,6 +991,10 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     alone, neither codes nor scales, and makes them without the integer codes: the code stays a
     float (:func:`_e2m1_rne_grid`, :func:`_e2m1_sr_grid`) that :func:`_grid_value_bits` maps to
     ``code × scale`` (the same bits; about a quarter fewer instructions per element).
+    With OBSERVE (a given amax, checked by the caller) the block amaxes propagate NaN and the
+    program's largest goes to ``obs_ptr`` (int32 bits, atomic max, as :func:`amax_kernel`): the
+    input's max |x|, which tells the caller's check about NaN and ±Inf without another pass. The
+    codes and scales are those of the default wherever no NaN is present.
     """
     K16 = K // 16
     pm = tl.program_id(0)
@@ -1023,8 +1034,13 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
         a0, a1 = tl.split(tl.reshape(lo, (BM, NB, 4, 2)))
         a2, a3 = tl.split(tl.reshape(hi, (BM, NB, 4, 2)))
     s_enc, s_dec, mult = _global_scales(tl.load(amax_ptr), inv6)
-    bamax = tl.maximum(tl.maximum(tl.max(tl.abs(a0), axis=2), tl.max(tl.abs(a1), axis=2)),
-                       tl.maximum(tl.max(tl.abs(a2), axis=2), tl.max(tl.abs(a3), axis=2)))
+    if OBSERVE:
+        m = _max_nan(_max_nan(tl.abs(a0), tl.abs(a1)), _max_nan(tl.abs(a2), tl.abs(a3)))
+        bamax = tl.reduce(m, 2, _max_nan)
+        tl.atomic_max(obs_ptr, tl.max(tl.max(bamax.to(tl.int32, bitcast=True), axis=1), axis=0))
+    else:
+        bamax = tl.maximum(tl.maximum(tl.max(tl.abs(a0), axis=2), tl.max(tl.abs(a1), axis=2)),
+                           tl.maximum(tl.max(tl.abs(a2), axis=2), tl.max(tl.abs(a3), axis=2)))
     sf = tl.minimum(tl.minimum(bamax * mult, FLT_MAX), 448.0)
     sfv, sfc = _e4m3_rne(sf)
     enc = tl.minimum(_div_rn(1.0, sfv * s_dec), FLT_MAX)[:, :, None]

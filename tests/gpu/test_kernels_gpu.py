@@ -567,3 +567,33 @@ def test_the_check_reads_the_amax_early_and_still_raises_on_nan(kw):
             quantize(xn, **kw, **gen())
         with pytest.warns(RuntimeWarning, match="Inf"):
             quantize(xi, **kw, **gen())
+
+
+@pytest.mark.parametrize("kw", [{}, {"block": "2d"}, {"rht": True}, {"rounding": "stochastic"}],
+                         ids=["1d", "2d", "rht", "sr"])
+def test_the_check_of_a_given_amax_reads_once_and_still_raises_on_nan(kw):
+    """``quantize(x, amax=a)`` on CUDA: where the rowwise kernel runs (1x16, no RHT) it observes
+    max |x| itself (``observe``), elsewhere an aminmax pass does; either way a clean input gives
+    the bits of ``check=False`` on the planning and the replaying call, a NaN in x raises, an Inf
+    warns, and a NaN or negative given amax raises."""
+    x = _x((512, 256), torch.bfloat16, seed=10)
+    a = x.float().abs().amax() if not kw.get("rht") else quantize(x, rht=True).amax
+    gen = (lambda: {"generator": torch.Generator(DEV).manual_seed(1)}) if kw.get("rounding") else dict  # noqa: E731
+    for _ in range(2):
+        _same(quantize(x, amax=a, **kw, **gen()), quantize(x, amax=a, check=False, **kw, **gen()))
+    out = kernels.quantize_rowwise(x, amax=a, observe=True, block2d=kw.get("block") == "2d", rht=bool(kw.get("rht")),
+                                   sr=bool(kw.get("rounding")), generator=gen().get("generator"))
+    if not kw.get("rht") and kw.get("block") != "2d":
+        assert len(out) == 4 and out[3] == x.float().abs().max()
+    else:
+        assert len(out) == 3
+    xn, xi = x.clone(), x.clone()
+    xn[3, 5] = float("nan")
+    xi[7, 1] = -float("inf")
+    for _ in range(2):
+        with pytest.raises(ValueError, match="NaN"):
+            quantize(xn, amax=a, **kw, **gen())
+        with pytest.warns(RuntimeWarning, match="Inf"):
+            quantize(xi, amax=a, **kw, **gen())
+        with pytest.raises(ValueError, match="amax must be a non-negative number"):
+            quantize(x, amax=torch.tensor(-1.0, device=DEV), **kw, **gen())
