@@ -517,9 +517,10 @@ def quantize(
         rht_signs: the RHT's 16 signs (default TE's fixed Wgrad vector).
         check: raise on NaN and warn on ±Inf, from the amax the quantization computes anyway
             (one host read of one scalar, which on CUDA waits for the amax kernel alone while the
-            quantize kernel runs; with ``amax=`` given, one min/max pass over ``x``
-            instead, read with a tensor ``amax`` in one host read after the quantize kernel
-            is launched). ``False`` skips it, so the call never synchronises with the device; it is
+            quantize kernel runs; with ``amax=`` given, the max |x| that the rowwise kernel
+            observes as it quantizes (1x16 blocks, no RHT) or else one min/max pass over ``x``,
+            read with a tensor ``amax`` in one host read after the quantize kernel is
+            launched). ``False`` skips it, so the call never synchronises with the device; it is
             skipped on its own while a CUDA graph is being captured and under ``torch.compile``,
             where a host read is impossible. Unchecked, a NaN input gives a NaN amax, and every
             GEMM output using the tensor is NaN.
