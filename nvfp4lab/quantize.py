@@ -611,11 +611,10 @@ def quantize(
     if kernels.covers_quantize(x, block=block, rounding=rounding, rht=rht, sign_mask=mask):
         # the check's read of the amax starts once its kernel is launched: it overlaps the quantize kernel
         on_amax = (lambda a: reads.append(_start_host_read(a))) if check and x.is_cuda else None  # noqa: E731
-        out = kernels.quantize_rowwise(
+        # observed: max |x| from the rowwise kernel, where it runs with a given amax (else None)
+        data, scale, amax_t, observed = kernels.quantize_rowwise(
             x, block2d=block == "2d", rht=rht, sr=rounding == "stochastic", sign_mask=mask,
             generator=generator, amax=amax_in, on_amax=on_amax, observe=check and amax_in is not None)
-        data, scale, amax_t = out[:3]
-        observed = out[3] if len(out) == 4 else None   # max |x| from the rows kernel (a given amax)
     else:
         data, scale, amax_t = _quantize_reference(x.reshape(M, K), block, rht, rounding, generator, amax_in, signs)
         observed = None

@@ -553,9 +553,9 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     :func:`_run` passes (:func:`_amax_args`, :func:`_rows_args`): the same binaries, bit-identical
     results (``tests/gpu/test_kernels_gpu.py``). Returns None where the plan does not apply — the
     interpreter, ``options().launch_cache`` off, a Triton launch hook installed, a kernel Triton
-    launches with a scratch buffer — and the caller runs :func:`_run`. ``observe`` (with ``amax``
-    given): the result has a fourth element, the input's max |x| that the kernel observed
-    (``OBSERVE``; 0-d float32, NaN where x holds NaN).
+    launches with a scratch buffer — and the caller runs :func:`_run`. Otherwise ``(data, scale,
+    amax, observed)``: ``observed`` is the input's max |x| that the kernel observed where
+    ``observe`` and ``amax`` is given (``OBSERVE``; 0-d float32, NaN where x holds NaN), else None.
     """
     opts = _state.options
     M, K = x2.shape
@@ -605,9 +605,7 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
             _ROWS_PLANS[sig] = (opts, amax_step, (entry[2], grid, entry[1]))   # opts kept: its id stays its own
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernel that read its keys in place (same stream)
-    if observe:
-        return d, s.view(torch.float8_e4m3fn), a_row, buf[0]
-    return d, s.view(torch.float8_e4m3fn), a_row
+    return d, s.view(torch.float8_e4m3fn), a_row, buf[0] if observe else None
 
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
@@ -803,7 +801,7 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
                      sign_mask: int = 0, generator: torch.Generator | None = None,
                      amax: torch.Tensor | None = None,
                      on_amax: Callable[[torch.Tensor], Any] | None = None,
-                     observe: bool = False) -> tuple[torch.Tensor, ...]:
+                     observe: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """NVFP4 codes, block scales and amax of ``x`` [..., K] quantized along ``K``.
 
     The kernels behind ``nvfp4lab.quantize(x, block=, rht=, rounding=, amax=)``: one amax
@@ -816,15 +814,16 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
     check) waits for the amax alone, while the quantize kernel runs.
 
     ``observe`` (with ``amax`` given): where the one-block-per-thread rowwise kernel runs (1x16
-    blocks, no RHT), it also reports the input's max |x| (NaN-propagating, ±Inf kept): the result
-    then has a fourth element, that 0-d float32 tensor, so that a caller's NaN/Inf check of the
-    input needs no pass of its own. Other kernels return three elements, as without ``observe``.
+    blocks, no RHT), it also reports the input's max |x|, so that a caller's NaN/Inf check of the
+    input needs no pass of its own.
 
     Returns:
-        ``(data, scale, amax)``: ``uint8 [M, ceil(K/2)]`` packed E2M1 codes (low nibble first),
-        ``float8_e4m3fn`` block scales (``[M, ceil(K/16)]``, or ``[ceil(M/16), ceil(K/16)]``
-        with ``block2d``) and the float32 0-d amax (post-RHT with ``rht``), as plain tensors.
-        No NaN scan: a NaN in ``x`` gives a NaN amax and unspecified codes.
+        ``(data, scale, amax, observed)``: ``uint8 [M, ceil(K/2)]`` packed E2M1 codes (low nibble
+        first), ``float8_e4m3fn`` block scales (``[M, ceil(K/16)]``, or ``[ceil(M/16), ceil(K/16)]``
+        with ``block2d``) and the float32 0-d amax (post-RHT with ``rht``), as plain tensors; and
+        the max |x| that ``observe`` asked for (0-d float32, NaN-propagating, ±Inf kept), or None
+        where it did not or the kernel that ran does not observe. No NaN scan: a NaN in ``x`` gives
+        a NaN amax and unspecified codes.
     """
     x2 = _as_2d(x)
     M = x2.shape[0]
@@ -840,7 +839,7 @@ def quantize_rowwise(x: torch.Tensor, *, block2d: bool = False, rht: bool = Fals
         data, scale, amax_t, _, _, _, _, _ = _run(
             x2, row=True, col=False, row_rht=rht, col_rht=False, block2d=block2d, sr=sr, mask=sign_mask,
             generator=generator, amax_row=amax, amax_col=None, on_amax=on_amax)
-    return data, scale, amax_t
+    return data, scale, amax_t, None
 
 
 def check_col_out(col_out: tuple[torch.Tensor, torch.Tensor], x2: torch.Tensor, block2d: bool) -> None:
