@@ -69,7 +69,10 @@ _GEMM_FACTOR = GEMM_ALPHA_DENOMINATOR  # 6*6*448*448
 
 #: Tile shapes and warps per kernel mode (tuned on an H200; ``use_options(config=...)`` for sweeps).
 _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
-    "amax": dict(BM=64, BK=128, num_warps=8),
+    # the plain amax pass (no RHT); H200, quantize(x) at 8192^2 (amax pass, then the rows kernel):
+    # 86.2 vs 87.5 us at BM=64 BK=128 (the pass alone 34.9 vs 37.5; 27.1 vs 28.8 at 16384 x 3072)
+    "amax": dict(BM=64, BK=256, num_warps=8),
+    "amax_rht": dict(BM=64, BK=128, num_warps=8),   # the same pass with an RHT (ROW_RHT or COL_RHT)
     "row": dict(BM=32, BK=256, num_warps=4),
     "col": dict(BM=128, BK=64, num_warps=8),
     "both": dict(BM=64, BK=128, num_warps=8),
@@ -492,10 +495,10 @@ def _rows_config(config: Mapping, K: int, values: bool, after_amax: bool) -> Map
 
 def _launch_amax(x2: torch.Tensor, buf: torch.Tensor, config: Mapping, *, row: bool, row_rht: bool, col_rht: bool,
                  mask: int, rht_f64: bool, i64: bool) -> tuple[tuple | None, tuple]:
-    """Launch ``amax_kernel`` on x2 [M, K] into ``buf`` (its tile from ``config["amax"]``); returns
-    :func:`_launch`'s cache entry and the grid."""
+    """Launch ``amax_kernel`` on x2 [M, K] into ``buf`` (its tile from ``config["amax"]``, or
+    ``config["amax_rht"]`` with an RHT); returns :func:`_launch`'s cache entry and the grid."""
     M, K = x2.shape
-    cfg = config["amax"]
+    cfg = config["amax_rht" if row_rht or col_rht else "amax"]
     BM, BK = cfg["BM"], cfg["BK"]
     grid = (_cdiv(M, BM) * _cdiv(K, BK),)
     entry = _launch(_kernels().amax_kernel, grid, *_amax_args(x2, buf), ROW=row, ROW_RHT=row_rht, COL_RHT=col_rht,
