@@ -69,8 +69,9 @@ _GEMM_FACTOR = GEMM_ALPHA_DENOMINATOR  # 6*6*448*448
 
 #: Tile shapes and warps per kernel mode (tuned on an H200; ``use_options(config=...)`` for sweeps).
 _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
-    # the plain amax pass (no RHT); H200, quantize(x) at 8192^2 (amax pass, then the rows kernel):
-    # 86.2 vs 87.5 us at BM=64 BK=128 (the pass alone 34.9 vs 37.5; 27.1 vs 28.8 at 16384 x 3072)
+    # the plain amax pass (no RHT); H200, quantize(x) at 8192^2 (amax pass, then the rows kernel),
+    # 8 calls back to back: 86.2 vs 87.5 us at BM=64 BK=128 (the pass alone 34.9 vs 37.5; 27.1 vs
+    # 28.8 at 16384 x 3072). With L2 flushed before each call (bench_api) no change: 94.5 vs 94.9
     "amax": dict(BM=64, BK=256, num_warps=8),
     "amax_rht": dict(BM=64, BK=128, num_warps=8),   # the same pass with an RHT (ROW_RHT or COL_RHT)
     "row": dict(BM=32, BK=256, num_warps=4),
