@@ -993,9 +993,9 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     ``code × scale`` (the same bits; about a quarter fewer instructions per element).
     With OBSERVE (a given amax, checked by the caller) the block amaxes propagate NaN and the
     program's largest goes to ``obs_ptr`` (int32 bits, atomic max, as :func:`amax_kernel`, made only
-    where it exceeds what the slot holds): the
-    input's max |x|, which tells the caller's check about NaN and ±Inf without another pass. The
-    codes and scales are those of the default wherever no NaN is present.
+    where it exceeds what the slot holds): the input's max |x|, which tells the caller's check about
+    NaN and ±Inf without another pass. The codes and scales are those of the default wherever no NaN
+    is present.
     """
     K16 = K // 16
     pm = tl.program_id(0)
