@@ -12,7 +12,10 @@ Measured side by side in one run on one device and written with provenance to
    alone); each also with the amax given. Against the one-pass limit: the input read once and the
    codes and scales written once, at the copy bandwidth measured in the same run. For scale, a
    PyTorch call of two kernels on the same tensor, ``x.abs().amax()``, timed the same two ways
-   (``torch_reference``): what an eager call costs over its kernels when it is not ours.
+   (``torch_reference``): what an eager call costs over its kernels when it is not ours. On a GPU
+   the copy and the kernels are timed a second way too (``clean_l2``): after an L2 flush that reads
+   instead of do_bench's, which zeroes a buffer and leaves dirty lines for the first kernel after
+   it to write back (:func:`nvfp4lab.timing.bench_ms`, ``l2_flush="read"``).
 2. ``linear``: ``NVFP4Linear`` forward+backward (the paper's recipe: RHT, SR gradients, 2D weights)
    against BF16 ``nn.Linear`` in the same mode: eager, ``torch.compile`` and captured in the
    user's own CUDA graph, at M=8192, K=N=4096 and at GPT-2-small's ``qkv`` shape (768 -> 2304).
@@ -73,13 +76,21 @@ def bench_quantize(device: str, n: int, rounds: int) -> dict[str, Any]:
     """Section 1: the public ``quantize`` call against its kernels and the one-pass limit.
 
     Each call is timed ``rounds`` times, eager and captured alternately (one capture per call):
-    the medians are reported, and each eager/kernels ratio is the median of the rounds' ratios."""
+    the medians are reported, and each eager/kernels ratio is the median of the rounds' ratios.
+    On a GPU, ``clean_l2`` gives the copy, the one-pass limit and each call's kernels timed after a
+    reading L2 flush (``bench_ms(..., l2_flush="read")``, once per round)."""
     x = torch.randn(n, n, device=device).to(torch.bfloat16)
     dst = torch.empty_like(x)
-    copy_ms = bench_ms(lambda: dst.copy_(x), device)
-    copy_gbps = 2 * x.numel() * x.element_size() / copy_ms / 1e6
     one_pass_bytes = x.numel() * (x.element_size() + 0.5 + 1 / 16)   # read x; write codes + E4M3 scales
-    limit_ms = one_pass_bytes / copy_gbps / 1e6
+
+    def copy_limit(**flush: str) -> tuple[float, float, float]:
+        """(copy ms, copy GB/s counting its read and its write, one-pass limit ms)."""
+        ms = bench_ms(lambda: dst.copy_(x), device, **flush)
+        gbps = 2 * x.numel() * x.element_size() / ms / 1e6
+        return ms, gbps, one_pass_bytes / gbps / 1e6
+
+    _, copy_gbps, limit_ms = copy_limit()
+    clean = copy_limit(l2_flush="read") if device == "cuda" else None
     amax = x.abs().amax().float()
     calls: dict[str, tuple[Callable[[], Any], dict[str, Any]]] = {
         "quantize(x)": (lambda: quantize(x), {}),
@@ -95,13 +106,14 @@ def bench_quantize(device: str, n: int, rounds: int) -> dict[str, Any]:
     for name, (fn, opts) in calls.items():
         ours = name != reference
         captured = device == "cuda" and ("check=False" in name or not ours)
-        eager, kern = [], []
+        eager, kern, kern_clean = [], [], []
         with kernels.use_options(**opts):
             graph = capture(fn)[0] if captured else None
             for _ in range(rounds):
                 eager.append(median_ms(fn, device, iters=50, warmup=3))
                 if graph is not None:
                     kern.append(bench_ms(graph.replay, device))
+                    kern_clean.append(bench_ms(graph.replay, device, l2_flush="read"))
         del graph
         row = {"call": name, "eager_ms": statistics.median(eager), "eager_ms_rounds": eager}
         if ours:
@@ -112,13 +124,20 @@ def bench_quantize(device: str, n: int, rounds: int) -> dict[str, Any]:
                        eager_over_kernels=statistics.median(ratios), eager_over_kernels_spread=_spread(ratios))
             if ours:
                 row["kernels_frac_one_pass"] = limit_ms / row["kernels_ms"]
+            if clean is not None:
+                row["kernels_ms_clean_l2"] = statistics.median(kern_clean)
+                if ours:
+                    row["kernels_frac_one_pass_clean_l2"] = clean[2] / row["kernels_ms_clean_l2"]
         if ours:
             rows.append(row)
         else:
             ref = row
         _log(row)
-    return {"n": n, "dtype": "bfloat16", "rounds": rounds, "copy_GBps": copy_gbps, "one_pass_bytes": one_pass_bytes,
-            "one_pass_limit_ms": limit_ms, "calls": rows, "torch_reference": ref}
+    out = {"n": n, "dtype": "bfloat16", "rounds": rounds, "copy_GBps": copy_gbps, "one_pass_bytes": one_pass_bytes,
+           "one_pass_limit_ms": limit_ms, "calls": rows, "torch_reference": ref}
+    if clean is not None:
+        out["clean_l2"] = {"copy_ms": clean[0], "copy_GBps": clean[1], "one_pass_limit_ms": clean[2]}
+    return out
 
 
 def _fwd_bwd(layer: torch.nn.Module, x: torch.Tensor, gy: torch.Tensor) -> Callable[[], Any]:

@@ -7,6 +7,7 @@ Three ways, for three questions:
   from Python gets, launch overhead included.
 * :func:`bench_ms`: the median of many back-to-back calls with the L2 cache flushed in between
   (``triton.testing.do_bench`` on a GPU; the per-call median on the CPU). A kernel's own time.
+  ``l2_flush="read"`` flushes by reading instead of zeroing (see there).
 * :func:`graph_ms`: the callable captured once in a CUDA graph and the replay timed with
   :func:`bench_ms`: the GPU time of its kernels without Python or launch overhead.
 
@@ -66,18 +67,55 @@ def median_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, 
     return statistics.median(per_call_ms(fn, device, iters=iters, warmup=warmup))
 
 
-def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, rep_ms: int = 200) -> float:
+def bench_ms(fn: Callable[[], Any], device: torch.device | str, *, repeat: int = 5, rep_ms: int = 200,
+             l2_flush: str = "zero") -> float:
     """Median milliseconds of ``fn`` run back to back: a kernel's own time.
 
     On CUDA: ``triton.testing.do_bench`` (``rep_ms`` milliseconds of repeats after a warm-up of an
-    eighth of that, at least 25 ms; the L2 cache flushed between repeats; median). On the CPU:
-    :func:`median_ms` with ``repeat`` timed calls after one warm-up call.
+    eighth of that, at least 25 ms; the L2 cache flushed between repeats; median). Its flush zeroes
+    a 256 MiB buffer (Triton 3.6 ``CudaDriver.clear_cache``), which leaves the L2 full of dirty
+    lines: the first kernel after it also pays their write-back to memory. ``l2_flush="read"``
+    flushes by reading a 256 MiB buffer instead (clean lines, nothing to write back) and times
+    ``10 * repeat`` calls, each between CUDA events after its own flush. On the CPU:
+    :func:`median_ms` with ``repeat`` timed calls after one warm-up call (``l2_flush`` unused).
+
+    Raises:
+        ValueError: ``l2_flush`` is not ``"zero"`` or ``"read"``.
     """
+    if l2_flush not in ("zero", "read"):
+        raise ValueError(f"l2_flush must be 'zero' (do_bench's) or 'read', got {l2_flush!r}")
     if torch.device(device).type == "cuda":
+        if l2_flush == "read":
+            return _after_read_flush_ms(fn, device, 10 * repeat)
         import triton.testing
 
         return float(triton.testing.do_bench(fn, warmup=max(25, rep_ms // 8), rep=rep_ms, return_mode="median"))
     return median_ms(fn, device, iters=repeat, warmup=1)
+
+
+#: Per CUDA device, the 256 MiB buffer :func:`bench_ms` reads to flush the L2 (``l2_flush="read"``).
+_READ_FLUSH: dict[int, torch.Tensor] = {}
+
+
+def _after_read_flush_ms(fn: Callable[[], Any], device: torch.device | str, iters: int) -> float:
+    """:func:`bench_ms` with ``l2_flush="read"`` on CUDA: the median of ``iters`` calls, each timed
+    by CUDA events right after a read of the whole flush buffer (``amax``: one pass, a 4-byte result)."""
+    dev = torch.device(device)
+    index = dev.index if dev.index is not None else torch.cuda.current_device()
+    flush = _READ_FLUSH.get(index)
+    if flush is None:
+        flush = _READ_FLUSH[index] = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.int32, device=f"cuda:{index}")
+    fn()   # warm-up
+    times = []
+    for _ in range(iters):
+        flush.amax()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
 
 
 #: The side stream of each device for warm-ups (:func:`side_stream`).

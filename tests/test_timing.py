@@ -20,6 +20,11 @@ def test_per_call_counts_calls_and_measures_sleep():
     assert median_ms(work, "cpu", iters=3) >= 2.0 and bench_ms(work, "cpu", repeat=3) >= 2.0
 
 
+def test_bench_rejects_an_unknown_l2_flush():
+    with pytest.raises(ValueError, match="l2_flush"):
+        bench_ms(lambda: None, "cpu", l2_flush="clean")
+
+
 def test_per_call_rejects_bad_counts():
     with pytest.raises(ValueError, match="iters >= 1"):
         per_call_ms(lambda: None, "cpu", iters=0)
