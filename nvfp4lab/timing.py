@@ -25,7 +25,8 @@ import torch
 __all__ = ["per_call_ms", "median_ms", "bench_ms", "graph_ms", "capture", "side_stream"]
 
 
-def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, warmup: int = 1) -> list[float]:
+def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int, warmup: int = 1,
+                before: Callable[[], Any] | None = None) -> list[float]:
     """Milliseconds of each of ``iters`` calls of ``fn``, after ``warmup`` untimed calls.
 
     Args:
@@ -35,6 +36,7 @@ def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int
             ``"cpu"``.
         iters: timed calls (>= 1).
         warmup: untimed calls first (compilation, autotuning, allocator warm-up).
+        before: untimed work run before each timed call (e.g. an L2 flush), or None.
 
     Raises:
         ValueError: ``iters < 1`` or ``warmup < 0``.
@@ -48,6 +50,8 @@ def per_call_ms(fn: Callable[[], Any], device: torch.device | str, *, iters: int
         torch.cuda.synchronize()
     times = []
     for _ in range(iters):
+        if before is not None:
+            before()
         if cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -105,17 +109,7 @@ def _after_read_flush_ms(fn: Callable[[], Any], device: torch.device | str, iter
     flush = _READ_FLUSH.get(index)
     if flush is None:
         flush = _READ_FLUSH[index] = torch.ones(256 * 1024 * 1024 // 4, dtype=torch.int32, device=f"cuda:{index}")
-    fn()   # warm-up
-    times = []
-    for _ in range(iters):
-        flush.amax()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
+    return statistics.median(per_call_ms(fn, device, iters=iters, warmup=1, before=flush.amax))
 
 
 #: The side stream of each device for warm-ups (:func:`side_stream`).

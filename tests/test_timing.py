@@ -20,6 +20,14 @@ def test_per_call_counts_calls_and_measures_sleep():
     assert median_ms(work, "cpu", iters=3) >= 2.0 and bench_ms(work, "cpu", repeat=3) >= 2.0
 
 
+def test_before_runs_untimed_before_each_timed_call():
+    order = []
+    times = per_call_ms(lambda: order.append("fn"), "cpu", iters=3, warmup=1,
+                        before=lambda: (order.append("before"), time.sleep(0.005)))
+    assert order == ["fn"] + ["before", "fn"] * 3
+    assert all(t < 5.0 for t in times)                    # the 5 ms sleep of ``before`` is not timed
+
+
 def test_bench_rejects_an_unknown_l2_flush():
     with pytest.raises(ValueError, match="l2_flush"):
         bench_ms(lambda: None, "cpu", l2_flush="clean")
