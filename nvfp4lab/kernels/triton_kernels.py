@@ -718,7 +718,7 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     (2·G words, G scales, 16·G values) in one row segment, rather than one piece per thread and
     row (5% faster on an H200 at 8192², commit 908a420). With VALUES_COL and not COL_CODES (1x16
     blocks) the columnwise copy is its values alone, made as the rowwise kernel's CODES=False
-    makes them (:func:`_grid_value_bits`): no codes, no scales.
+    makes them (:func:`_grid_values_bits`): no codes, no scales.
     """
     BM: tl.constexpr = 16 * G
     xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, REVERSE, EVEN, I64)
@@ -947,30 +947,33 @@ def _values_bits(codes, sfv):
 
 
 @triton.jit
-def _grid_value_bits(g, magic, y, sfv):
-    """BF16 block values ``code × scale`` as float32 bits from the code in the float domain: ``g``
-    the float32 ``magic + magnitude code`` of :func:`_e2m1_rne_grid` / :func:`_e2m1_sr_grid`, ``y``
-    the scaled value, never -0.0 (:func:`_scaled`; its sign is the code's, as :func:`_sign_bit3`),
-    ``sfv`` the E4M3 scale (broadcast).
-
-    With c = g - magic (exact), the E2M1 magnitude of code c is max(c/2, c - 2, 2c - 8), convex
-    and piecewise linear (0, 0.5, 1, 1.5 for c <= 3; 2, 3, 4 for c = 4..6; 6 for c = 7): three
-    exact products with the scale and two maxima give ``|code| × scale`` (at most 7 significant
-    bits, exact in BF16 and in every step), then the sign bit of ``y`` is or-ed in: the bits
-    :func:`_values_bits` decodes from the code, with no code."""
-    c = g - magic
-    v = tl.maximum(tl.maximum(c * (0.5 * sfv), tl.fma(c, sfv, -2.0 * sfv)), tl.fma(c, 2.0 * sfv, -8.0 * sfv))
-    return v.to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)
-
-
-@triton.jit
 def _grid_values_bits(y, u, sfv, SR: tl.constexpr):
-    """The BF16 block values of the scaled values ``y`` (from :func:`_scaled`) as float32 bits
-    (uint32; exact in BF16), RNE or SR (``u``: :func:`_e2m1_sr_fast`'s offsets, not read for RNE),
-    without codes (:func:`_grid_value_bits`)."""
+    """The BF16 block values ``code × scale`` of the scaled values ``y`` (from :func:`_scaled`,
+    never -0.0) as float32 bits (uint32; exact in BF16), RNE or SR (``u``: the offsets of
+    :func:`_e2m1_sr_fast`, not read for RNE), ``sfv`` the E4M3 scale (broadcast); without codes.
+
+    Rounded on the E2M1 grid itself: with m = min(|y|, 6), the grid's step at m is q = 1/2 below
+    2, 1 in [2, 4) and 2 from 4 on, i.e. max(1/2, p/2) with p = 2^floor(log2 m) (m's exponent
+    bits), and both RNE and SR round m to a multiple of q within its binade (the codes' T(m) of
+    :func:`_e2m1_rne_fast` is m/q plus a constant there). Adding the magic ``2^23·q`` (float32
+    ulp q) and taking it off again rounds to that multiple: RNE ``(m + 2^23·q) - 2^23·q``; SR
+    ``(RN(m + q·u) + 1.5·2^23·q) - 1.5·2^23·q``, q·u exact, which is q times the code-domain
+    candidate RN(RN(m/q + u) + 1.5·2^23) of :func:`_e2m1_sr_grid`. The rounded magnitude times the
+    scale is exact (at most 2 + 4 significant bits), then the sign bit of ``y`` is or-ed in. The
+    same bits as decoding :func:`_e2m1_rne_fast` / :func:`_e2m1_sr_fast`'s codes (checked on every
+    float32 m in [0, 6] for RNE; on 5M values, boundaries included, for each of SR's 256 offsets),
+    in about 9 operations per element where the codes' minimum of three candidates and their
+    decode take 14 (RNE)."""
+    m = tl.minimum(tl.abs(y), 6.0)
+    p = (m.to(tl.uint32, bitcast=True) & 0x7F800000).to(tl.float32, bitcast=True)   # 0 below 2^-126
     if SR:
-        return _grid_value_bits(_e2m1_sr_grid(y, u), 12582912.0, y, sfv)
-    return _grid_value_bits(_e2m1_rne_grid(y), 8388608.0, y, sfv)
+        q = tl.maximum(p * 0.5, 0.5)
+        c = q * 12582912.0
+        v = (tl.fma(u, q, m) + c) - c
+    else:
+        c = tl.maximum(p * 4194304.0, 4194304.0)
+        v = (m + c) - c
+    return (v * sfv).to(tl.uint32, bitcast=True) | (y.to(tl.uint32, bitcast=True) & 0x80000000)
 
 
 @triton.jit
@@ -1050,9 +1053,8 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     (:func:`_sr_block_uniforms`), so it draws the same stream. With VALUES it also writes the BF16 block values ``code × scale`` (exact)
     to ``v32`` (the BF16 [M, K] output viewed as int32 [M, K/2]), the operand the emulated GEMM
     multiplies, saving a separate decode pass. With VALUES and not CODES it writes those values
-    alone, neither codes nor scales, and makes them without the integer codes: the code stays a
-    float (:func:`_e2m1_rne_grid`, :func:`_e2m1_sr_grid`) that :func:`_grid_value_bits` maps to
-    ``code × scale`` (the same bits; about a quarter fewer instructions per element).
+    alone, neither codes nor scales, and makes them without the integer codes: each magnitude is
+    rounded on the E2M1 grid in the float domain (:func:`_grid_values_bits`; the same bits).
     With OBSERVE (a given amax, checked by the caller) the block amaxes propagate NaN and the
     program's largest goes to ``obs_ptr`` (int32 bits, atomic max, as :func:`amax_kernel`, made only
     where it exceeds what the slot holds): the input's max |x|, which tells the caller's check about
