@@ -376,7 +376,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_title("Linear forward+backward", fontsize=9)
     ax.legend(fontsize=7)
     env = result["environment"]
-    fig.suptitle(f'{env["device"]}  torch {env["torch"]}  triton {env["triton"]}  {env["date_utc"]}', fontsize=9)
+    title = f'{env["device"]}  torch {env["torch"]}  triton {env["triton"]}  {env["date_utc"]}'
+    qenv = result.get("quantize_environment")   # a quantize section measured in a later run
+    if qenv:
+        title += f'  (quantize: {qenv["date_utc"]}, {qenv["git_commit"].split()[0]})'
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=130)
 
