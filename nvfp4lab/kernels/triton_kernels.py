@@ -18,7 +18,8 @@ fp32->fp8):
   ``(bits + 0x7FFF + lsb) & 0xFFFF0000`` in the interpreter (:data:`HW_CVT`).
 * E2M1 codes: the minimum of three candidates, each one exact float32 operation
   (:func:`_e2m1_rne_fast`, :func:`_e2m1_sr_fast`): float32 arithmetic, not the half-rate integer
-  pipe, does most of the work.
+  pipe, does most of the work. A copy that holds only its BF16 values rounds each magnitude on
+  the E2M1 grid with one magic number per binade instead (:func:`_grid_values_bits`).
 * Reciprocals and the global scale use ``tl.math.div_rn`` (IEEE division); Triton's ``/``
   on float32 lowers to the approximate ``div.full.f32``.
 * Kernels are launched with ``enable_fp_fusion=False`` so no multiply-add is contracted
@@ -1136,7 +1137,7 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
     if SR and not VALUES:
         # SR codes alone: packed from the grid floats (_code_word; on an H200 at 8192², 2% faster). The
         # RNE codes keep the shift-and-or packing: there the packing by multiply-adds, 8% fewer
-        # instructions, made the kernel after an amax pass 6% slower at its tile (commit message)
+        # instructions, made the kernel after an amax pass 6% slower at its tile (commit 4dab021)
         y0 = _scaled(a0, enc)
         y1 = _scaled(a1, enc)
         y2 = _scaled(a2, enc)
