@@ -188,6 +188,22 @@ def test_float16_and_given_amax_and_signs():
     assert_nvfp4_equal(fast(y, rht=True, rht_signs=signs), quantize_ref(y, rht=True, rht_signs=signs))
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_columnwise_rht_bit_exact_for_any_signs(dtype):
+    """The 16-slice kernels' butterfly (the columnwise copy of ``x.t()`` and its amax pass) keeps
+    the RHT's signs at compile time and applies the first one to every output with the final 1/4:
+    bit-exact with the reference for no sign flips, all flipped, the first flipped (the outputs'
+    common sign negative) and random signs, on data that holds a block at a BF16 rounding boundary
+    (where the BF16 amax pass needs its FP64 fallback)."""
+    g = torch.Generator().manual_seed(11)
+    x = _x((64, 48), torch.float32, seed=12)
+    x[16:32] = rht_rounding_boundary_block(g, columns=48).float()
+    x = x.to(dtype)
+    for signs in (torch.ones(16), -torch.ones(16), torch.tensor([-1.0, 1.0] * 8),
+                  torch.where(torch.rand(16, generator=g) < 0.5, -1.0, 1.0)):
+        assert_nvfp4_equal(fast(x.t(), rht=True, rht_signs=signs), quantize_ref(x.t(), rht=True, rht_signs=signs))
+
+
 @pytest.mark.parametrize("block,rht", CONFIGS, ids=["1d", "2d", "1d-rht"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 def test_non_contiguous(block, rht, dtype):

@@ -613,20 +613,37 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
     every block): the 4-stage butterfly of :func:`_rht16` as element-wise add/sub between slices,
     with the same numerics (exact in float64, one rounding to float32, then to bf16). Not SCALE
     (FP32 only, no rounding to bf16): the butterfly's sums without the final 1/4, for an amax
-    that scales its one maximum instead (see :func:`_slices_amax_bits`)."""
+    that scales its one maximum instead (see :func:`_slices_amax_bits`).
+
+    The signs are not applied to the inputs: each value carries a compile-time sign, and a stage
+    adds or subtracts the magnitudes so that both of its outputs carry the sign of its first
+    input. Before stage s the sign of value i is that of input (i >> s) << s, so every output
+    carries the sign of input 0, applied with the final 1/4 (-1/4). Each intermediate is then
+    exactly ± the signed butterfly's (RN(-v) = -RN(v)), with no negation instruction: in float64
+    the inputs convert straight from BF16 (F2F.F64.BF16), where a negated input took an FP32
+    negation and conversion. Only a zero's sign may differ (x - x = +0), which the consumers
+    never see (|y|, or :func:`_scaled`)."""
     if F64:
-        ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i]).to(tl.float64)
-              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        ys = [xs[i].to(tl.float64) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     else:
-        ys = [(-xs[i] if ((SIGN_MASK >> i) & 1) != 0 else xs[i])
-              for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        ys = [xs[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     for s in tl.static_range(4):
-        ys = [(ys[i] + ys[i + (1 << s)]) if (i & (1 << s)) == 0 else (ys[i - (1 << s)] - ys[i])
+        # value i before stage s carries the sign bit (SIGN_MASK >> ((i >> s) << s)) & 1
+        ys = [(ys[i] + ys[i + (1 << s)]
+               if ((SIGN_MASK >> ((i >> s) << s)) & 1) == ((SIGN_MASK >> (((i >> s) + 1) << s)) & 1)
+               else ys[i] - ys[i + (1 << s)])
+              if (i & (1 << s)) == 0 else
+              (ys[i - (1 << s)] - ys[i]
+               if ((SIGN_MASK >> (((i >> s) - 1) << s)) & 1) == ((SIGN_MASK >> ((i >> s) << s)) & 1)
+               else ys[i - (1 << s)] + ys[i])
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    q: tl.constexpr = -0.25 if (SIGN_MASK & 1) != 0 else 0.25
     if F64:
-        ys = [(ys[i] * 0.25).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        ys = [(ys[i] * q).to(tl.float32) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     elif SCALE:
-        ys = [ys[i] * 0.25 for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+        ys = [ys[i] * q for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
+    elif (SIGN_MASK & 1) != 0:
+        ys = [-ys[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     if ROUND_BF16:
         ys = [_round_bf16(ys[i]) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     return tl.tuple(ys)
@@ -667,15 +684,12 @@ def _slices_code_words(gs, ys, MAGIC: tl.constexpr):
     """The two int32 words of packed E2M1 codes of columnwise blocks held as 16 slices: ``gs[i]``
     the grid floats (``MAGIC + magnitude code``) and ``ys[i]`` the scaled values (from
     :func:`_scaled`) of element i of every block -> (elements 0-7, elements 8-15), element e in
-    bits 4(e % 8)..4(e % 8)+3, as :func:`_code_word` packs them (integer multiply-adds)."""
-    corr: tl.constexpr = (-MAGIC * 0x11111111) % (1 << 32)
-    w0 = tl.full(ys[0].shape, corr, tl.uint32)
-    w1 = tl.full(ys[0].shape, corr, tl.uint32)
+    bits 4(e % 8)..4(e % 8)+3, packed as :func:`_code_word` packs them (:func:`_code_term`)."""
+    w0 = _code_word_start(ys[0], MAGIC)
+    w1 = _code_word_start(ys[0], MAGIC)
     for i in tl.static_range(8):
-        w0 = _mad_u32(gs[i].to(tl.uint32, bitcast=True), 1 << (4 * i),
-                      _mad_u32(ys[i].to(tl.uint32, bitcast=True) >> 31, 8 << (4 * i), w0))
-        w1 = _mad_u32(gs[8 + i].to(tl.uint32, bitcast=True), 1 << (4 * i),
-                      _mad_u32(ys[8 + i].to(tl.uint32, bitcast=True) >> 31, 8 << (4 * i), w1))
+        w0 = _code_term(gs[i], ys[i], 1 << (4 * i), w0)
+        w1 = _code_term(gs[8 + i], ys[8 + i], 1 << (4 * i), w1)
     return w0.to(tl.int32, bitcast=True), w1.to(tl.int32, bitcast=True)
 
 
@@ -842,13 +856,18 @@ def _slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G: tl.constexpr, BK: tl.
     if I64:
         g = g.to(tl.int64)
     m = tl.zeros((G, FB), tl.int32)
-    for c in range(0, BK, FB):
+    # up to min(K, BK), a bound known only at run time (columns past K are masked all the same):
+    # over the constant BK the compiler unrolls this rare loop, and the pass took 74 registers, not
+    # 48 (a while loop: Triton's interpreter cannot take a tensor as range()'s bound)
+    c = 0
+    while c < tl.minimum(K, BK):
         cols = pk * BK + c + tl.arange(0, FB)
         if I64:
             cols = cols.to(tl.int64)
         ys = _rht16_slices(_load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN), SIGN_MASK, True, False)
         for i in tl.static_range(16):
             m = tl.maximum(m, _abs_bits(ys[i]))
+        c += FB
     return tl.max(tl.max(m, axis=1), axis=0)
 
 
@@ -1011,27 +1030,37 @@ def _mad_u32(a, b, c):
 
 
 @triton.jit
+def _code_word_start(like, MAGIC: tl.constexpr):
+    """The start of a packed code word (uint32, shaped as ``like``): minus the share of eight
+    grid floats' magic, ``-MAGIC_bits · (1 + 16 + ... + 16^7) mod 2^32`` (see :func:`_code_term`)."""
+    corr: tl.constexpr = (-MAGIC * 0x11111111) % (1 << 32)
+    return tl.full(like.shape, corr, tl.uint32)
+
+
+@triton.jit
+def _code_term(g, y, w, acc):
+    """``acc`` plus one element's share of a packed E2M1 code word (uint32, wrapping mod 2^32):
+    its grid float's bits times the weight ``w`` = 16^e (e its nibble; ``g`` = MAGIC + magnitude
+    code, from :func:`_e2m1_rne_grid` or :func:`_e2m1_sr_grid`) and the sign bit of its scaled
+    value ``y`` (from :func:`_scaled`, never -0.0: :func:`_sign_bit3`'s sign) times 8w. Eight
+    such terms on :func:`_code_word_start` leave the eight codes in their nibbles: integer
+    multiply-adds, one IMAD each on the GPU (:func:`_mad_u32`), where the codes' shifts and ors
+    take the integer pipe."""
+    return _mad_u32(g.to(tl.uint32, bitcast=True), w, _mad_u32(y.to(tl.uint32, bitcast=True) >> 31, w << 3, acc))
+
+
+@triton.jit
 def _code_word(ge, go, ye, yo, MAGIC: tl.constexpr):
     """Eight E2M1 codes packed in one int32 word, element e in bits 4e..4e+3, from their grid floats
     and scaled values: ``ge``, ``go`` [R, NB, 4] the float32 ``MAGIC + magnitude code`` of elements
     2j and 2j+1 in lane j (:func:`_e2m1_rne_grid`: MAGIC 2^23; :func:`_e2m1_sr_grid`: 1.5·2^23),
-    ``ye``, ``yo`` their scaled values (from :func:`_scaled`, never -0.0: the sign bit is the
-    code's, as :func:`_sign_bit3`). The word :func:`_e2m1_rne_fast` / :func:`_e2m1_sr_fast`'s codes
-    pack into.
-
-    Element e adds its grid float's bits times 16^e and its sign bit times 8·16^e (integer
-    multiply-adds, wrapping mod 2^32: one IMAD each on the GPU, where the shifts and ors of the
-    codes' packing take the integer pipe), and the word takes the magic's share off once:
-    ``MAGIC_bits · (1 + 16 + ... + 16^7) mod 2^32``."""
+    ``ye``, ``yo`` their scaled values. The word :func:`_e2m1_rne_fast` / :func:`_e2m1_sr_fast`'s
+    codes pack into: each lane adds its two elements' terms (:func:`_code_term`, weights 16^(2j)
+    and 16^(2j+1)), lane 0 also the word's start (:func:`_code_word_start`), and the lanes sum."""
     j = tl.arange(0, 4)[None, None, :]
     we = tl.full(j.shape, 1, tl.uint32) << (8 * j).to(tl.uint32)
-    wo = we << 4
-    se = ye.to(tl.uint32, bitcast=True) >> 31
-    so = yo.to(tl.uint32, bitcast=True) >> 31
-    corr: tl.constexpr = (-MAGIC * 0x11111111) % (1 << 32)
-    t = _mad_u32(ge.to(tl.uint32, bitcast=True), we,
-                 _mad_u32(go.to(tl.uint32, bitcast=True), wo,
-                          _mad_u32(se, we << 3, _mad_u32(so, wo << 3, tl.where(j == 0, corr, 0).to(tl.uint32)))))
+    start = tl.where(j == 0, _code_word_start(j, MAGIC), 0).to(tl.uint32)
+    t = _code_term(ge, ye, we, _code_term(go, yo, we << 4, start))
     return tl.sum(t, axis=2).to(tl.int32, bitcast=True)
 
 
