@@ -1,8 +1,19 @@
 import contextlib
 import os
 
-import pytest
-import torch
+# `pytest -n N` (pytest-xdist) runs N workers side by side, and a test may start more processes
+# (papermill kernels, `nvfp4lab train`, torchrun ranks) that inherit this environment. Left alone,
+# each would start one OpenMP thread per core, N times too many for the machine, and OpenMP
+# threads that outnumber the cores spin-wait for each other: two side-by-side runs of chapter 08b's
+# smoke run on a 2-core machine took 451 s with the default threads and 84 s with one thread each.
+# So each worker, and what it starts, gets its share of the cores (unless OMP_NUM_THREADS is set);
+# torch reads the variable when it is first imported, below.
+_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if _WORKERS > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(max(1, len(os.sched_getaffinity(0)) // _WORKERS)))
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 # Without a GPU, Triton's kernels can only run in its interpreter, and Triton reads this
 # variable when it is first imported (by the probe, the kernels or anything else): set it
