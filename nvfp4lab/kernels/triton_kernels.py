@@ -622,7 +622,7 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
     exactly ± the signed butterfly's (RN(-v) = -RN(v)), with no negation instruction: in float64
     the inputs convert straight from BF16 (F2F.F64.BF16), where a negated input took an FP32
     negation and conversion. Only a zero's sign may differ (x - x = +0), which the consumers
-    never see (|y|, or :func:`_scaled`)."""
+    never see: they take |y| or add +0.0 (:func:`_scaled`, :func:`_sign_bit3`)."""
     if F64:
         ys = [xs[i].to(tl.float64) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     else:
