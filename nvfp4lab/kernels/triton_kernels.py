@@ -628,14 +628,14 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
     else:
         ys = [xs[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     for s in tl.static_range(4):
-        # value i before stage s carries the sign bit (SIGN_MASK >> ((i >> s) << s)) & 1
-        ys = [(ys[i] + ys[i + (1 << s)]
-               if ((SIGN_MASK >> ((i >> s) << s)) & 1) == ((SIGN_MASK >> (((i >> s) + 1) << s)) & 1)
-               else ys[i] - ys[i + (1 << s)])
-              if (i & (1 << s)) == 0 else
-              (ys[i - (1 << s)] - ys[i]
-               if ((SIGN_MASK >> (((i >> s) - 1) << s)) & 1) == ((SIGN_MASK >> ((i >> s) << s)) & 1)
-               else ys[i - (1 << s)] + ys[i])
+        # Stage s pairs a = ys[p] and b = ys[p + 2^s], p = i with bit s cleared. Before it, value i
+        # carries the sign of input (i >> s) << s: a that of input p0 = p with its low s bits
+        # cleared, b that of input p0 + 2^s. The pair's sum goes to p and its difference to p + 2^s
+        # where the two signs agree, and the other way round where they differ.
+        ys = [(ys[i - (i & (1 << s))] + ys[i - (i & (1 << s)) + (1 << s)]
+               if ((i & (1 << s)) == 0) == (((SIGN_MASK >> ((i >> (s + 1)) << (s + 1))) & 1)
+                                            == ((SIGN_MASK >> (((i >> (s + 1)) << (s + 1)) + (1 << s))) & 1))
+               else ys[i - (i & (1 << s))] - ys[i - (i & (1 << s)) + (1 << s)])
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     q: tl.constexpr = -0.25 if (SIGN_MASK & 1) != 0 else 0.25
     if F64:
