@@ -6,6 +6,7 @@ cell.metadata.execution" NOTEBOOK``. Notebooks named ``*_gpu.ipynb`` keep their 
 GPU the book build does not have) and are exempt from the output checks.
 """
 
+import ast
 import re
 from pathlib import Path
 
@@ -52,6 +53,16 @@ def test_first_code_cell_is_parameters_with_smoke(path):
     first = code[0]
     assert "parameters" in first.metadata.get("tags", []), "first code cell must be tagged 'parameters'"
     assert SMOKE.search(first.source), "the parameters cell must set `smoke = False`"
+    # papermill injects its values in a cell after this one: a value computed here from another
+    # parameter (``steps = 4 if smoke else 60``) would keep the default's result, so every statement
+    # must assign a literal.
+    for stmt in ast.parse(first.source).body:
+        assert isinstance(stmt, (ast.Assign, ast.AnnAssign)), f"line {stmt.lineno}: only assignments belong here"
+        try:
+            ast.literal_eval(stmt.value)
+        except ValueError:
+            raise AssertionError(f"line {stmt.lineno} computes its value ({ast.unparse(stmt.value)}): papermill's "
+                                 "injected parameters would not reach it; move it to the next cell") from None
 
 
 CHAPTER_REF = re.compile(r"\b[Cc]hapters? (\d+[a-c]?)\b")
