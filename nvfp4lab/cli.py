@@ -305,7 +305,7 @@ def _cmd_compare(args: argparse.Namespace) -> int:
     try:
         cfg = config_from_args(args, precision="nvfp4")  # each variant sets its own precision
         cfg.resolved()
-        result = compare(cfg, variants, out=args.out, baseline=args.baseline)
+        result = compare(cfg, variants, out=args.out, baseline=args.baseline, jobs=args.jobs)
     except (ValueError, FileNotFoundError) as exc:
         print(f"nvfp4lab compare: error: {exc}", file=sys.stderr)
         return 2
@@ -380,6 +380,9 @@ def _register_compare(subparsers) -> None:
                    help="comma-separated variant names (default bf16,fp8,nvfp4)")
     p.add_argument("--baseline", default="bf16", help="variant the relative gaps refer to")
     p.add_argument("--out", metavar="DIR", default="runs/compare", help="output folder (default runs/compare)")
+    p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
+                   help="variants trained at once, each in its own process with CPUs/N torch threads unless "
+                        "--threads says otherwise (default 1: one after another; not under torchrun)")
     _add_common_options(p)
     p.set_defaults(func=_cmd_compare)
 

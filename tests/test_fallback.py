@@ -11,7 +11,7 @@ import time
 import pytest
 import torch
 
-from nvfp4lab.training import TrainConfig, train
+from nvfp4lab.training import TrainConfig, compare, train
 from nvfp4lab.training.loop import NonFiniteError
 
 
@@ -72,9 +72,18 @@ def test_nonfinite_falls_back_to_fp8_from_the_last_checkpoint(tmp_path, monkeypa
 
 def test_exhausted_chain_stops_with_the_error(tmp_path, monkeypatch):
     _poison_at(monkeypatch, 2)
-    with pytest.raises(NonFiniteError, match="last precision of the fallback chain"):
-        train(TrainConfig(preset="ci", precision="nvfp4", steps=6, on_nonfinite="fallback", fallback_chain=("nvfp4",),
-                          out=str(tmp_path), progress=False, plot=False))
+    cfg = TrainConfig(preset="ci", precision="nvfp4", steps=6, on_nonfinite="fallback", fallback_chain=("nvfp4",),
+                      out=str(tmp_path), progress=False, plot=False)
+    with pytest.raises(NonFiniteError, match="last precision of the fallback chain") as info:
+        train(cfg)
+    res = info.value.result   # the run so far, also in run.json
+    assert res.status == "stopped_nonfinite" and res.steps_completed == 2 and res.message == str(info.value)
+    assert json.loads((tmp_path / "run.json").read_text())["message"] == res.message
+    # compare records such a run and goes on (it failed on the missing result)
+    _poison_at(monkeypatch, 2)
+    cmp = compare(cfg, ["nvfp4", ("bf16", {"precision": "bf16", "fallback_chain": ("bf16",)})], out=tmp_path / "cmp",
+                  baseline=None)
+    assert [r.status for r in cmp.runs.values()] == ["stopped_nonfinite", "completed"]
 
 
 def test_a_spike_with_action_fallback(tmp_path, monkeypatch):

@@ -226,6 +226,21 @@ def test_compare_writes_table_and_plot(tmp_path):
         compare(tiny(tmp_path), ["bf16", "bf16"], out=tmp_path / "dup")
 
 
+def test_compare_in_two_processes_gives_the_bits_of_one_process(tmp_path):
+    """jobs=2 trains the variants in spawned processes: the same results, in the variants' order."""
+    cfg = tiny(tmp_path, steps=4, eval_interval=2, threads=1)
+    variants = ["nvfp4", "bf16", ("nvfp4-sr-off", {"recipe": {"disable_stochastic_rounding": True}})]
+    one = compare(cfg, variants, out=tmp_path / "one")
+    two = compare(cfg, variants, out=tmp_path / "two", jobs=2)
+    assert list(two.runs) == list(one.runs) == ["nvfp4", "bf16", "nvfp4-sr-off"]
+    for name, r in one.runs.items():
+        assert two.runs[name].val_curve == r.val_curve and two.runs[name].final_train_loss == r.final_train_loss
+        assert two.runs[name].status == "completed" and Path(two.runs[name].out_dir).parent == tmp_path / "two"
+    assert Path(two.table_path).exists()
+    with pytest.raises(ValueError, match="jobs must be a positive int"):
+        compare(cfg, variants, jobs=0)
+
+
 def test_cuda_graph_needs_cuda_and_the_nvfp4lab_backend():
     with pytest.raises(ValueError, match="cuda_graph needs the nvfp4lab backend on a CUDA device"):
         TrainConfig(preset="ci", cuda_graph=True, device="cpu").resolved()

@@ -39,9 +39,11 @@ __all__ = ["NonFiniteError", "train", "compare"]
 class NonFiniteError(RuntimeError):
     """Raised when the loss or the gradient norm is not finite (``on_nonfinite="stop"``).
 
-    Attributes: ``step`` (0-based optimizer step), ``what`` ("loss" or "gradient norm"),
-    ``checkpoint`` (path of the last good checkpoint, or None), ``result`` (the
-    :class:`RunResult` so far, with ``status="stopped_nonfinite"``).
+    Attributes: ``step`` (0-based optimizer step), ``what`` ("loss" or "gradient norm"; the
+    reason, such as "loss spike (z = 7.1)", when a fallback chain ran out), ``checkpoint`` (path of
+    the last good checkpoint, or None), ``result`` (the :class:`RunResult` so far, with
+    ``status="stopped_nonfinite"``, or ``"stopped_spike"`` when a spike in the chain's last
+    precision stopped it; also written to ``run.json``).
     """
 
     def __init__(self, message: str, *, step: int, what: str, checkpoint: str | None,
@@ -138,6 +140,8 @@ class FallbackRequested(Exception):
     def __init__(self, step: int, reason: str, checkpoint: str | None) -> None:
         super().__init__(reason)
         self.step, self.reason, self.checkpoint = step, reason, checkpoint
+        self.result: RunResult | None = None   # the session's result, set as it ends
+        self.is_main = True
 
 
 def train(config: TrainConfig) -> RunResult:
@@ -182,9 +186,13 @@ def train(config: TrainConfig) -> RunResult:
             # Compare canonical names: the chain may hold aliases ("fp8" is "fp8-current").
             here = [canonical_name(p) for p in chain].index(canonical_name(cfg.precision))
             if here + 1 >= len(chain) or fb.checkpoint is None:
-                raise NonFiniteError(f"{fb.reason} at step {fb.step} in {cfg.precision}, the last precision of "
-                                     f"the fallback chain {chain}; training stopped", step=fb.step,
-                                     what=fb.reason, checkpoint=fb.checkpoint) from None
+                message = (f"{fb.reason} at step {fb.step} in {cfg.precision}, the last precision of the "
+                           f"fallback chain {chain}; training stopped")
+                result = dataclasses.replace(fb.result, message=message)
+                if fb.is_main:
+                    write_json(Path(result.out_dir) / "run.json", result.to_dict())
+                raise NonFiniteError(message, step=fb.step, what=fb.reason, checkpoint=fb.checkpoint,
+                                     result=result) from None
             nxt = chain[here + 1]
             back_to = int(load_checkpoint(fb.checkpoint)["step"])
             segments.append({"precision": cfg.precision, "from_step": segments[-1]["to_step"] if segments else 0,
@@ -594,7 +602,11 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                 line = progress_line(done, step_times, loss_val, val_curve[-1][1] if val_curve else None)
                 if line:
                     say(line)
-    except FallbackRequested:
+    except FallbackRequested as fb:
+        # The session's result, for train() to report should this be the chain's last precision.
+        fb.result = make_result("stopped_nonfinite" if fb.reason.startswith("non-finite") else "stopped_spike",
+                                fb.reason, step, None)
+        fb.is_main = ctx.is_main
         raise
     except NonFiniteError as exc:
         result = make_result(status, message, step, None)
@@ -630,9 +642,20 @@ def _portable(state: dict[str, Any]) -> dict[str, Any]:
     return state
 
 
+def _train_variant(config: TrainConfig) -> tuple[RunResult, str | None]:
+    """:func:`compare`'s run of one variant: its result, and the message of the
+    :class:`NonFiniteError` that stopped it (None when it completed). Module-level, so that a
+    spawned worker process can run it."""
+    try:
+        return train(config), None
+    except NonFiniteError as exc:
+        assert exc.result is not None
+        return exc.result, str(exc)
+
+
 def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str, Any]]] = (
         "bf16", "fp8", "nvfp4"), *, out: str | os.PathLike | None = None,
-        baseline: str | None = "bf16") -> CompareResult:
+        baseline: str | None = "bf16", jobs: int = 1) -> CompareResult:
     """Train ``config`` once per variant and write ``compare.md``, ``compare.json``, ``compare.png``.
 
     ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
@@ -640,8 +663,22 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     ``stopped_nonfinite``) and the comparison goes on. ``baseline`` names the variant the
     relative gaps are computed against (None: no gaps). Under ``torchrun`` every variant trains on
     all ranks in one process group, and rank 0 writes the table, the JSON and the plot.
-    Raises ``ValueError`` for an unknown or duplicate variant name.
+
+    ``jobs``: how many variants train at once, each in a process of its own (started with
+    ``spawn``; a script that calls this needs Python's ``if __name__ == "__main__":`` guard). The
+    default, 1, trains them one after another in this process, as does a single variant. A small model leaves most of a
+    CPU's cores idle, so on a CPU ``jobs`` runs finish in about the time of one. A variant whose
+    ``threads`` is None gets ``cpu_count // jobs`` torch threads; with the same ``threads`` every
+    result is bit-identical to ``jobs=1`` (each run seeds its own generators from its config).
+    With ``jobs > 1`` the runs show no progress bars; a line per finished run goes to stderr unless
+    ``config.progress`` is False.
+
+    Raises:
+        ValueError: an unknown or duplicate variant name, ``jobs`` < 1, or ``jobs`` > 1 under
+            ``torchrun`` with several ranks (each variant already runs on every rank there).
     """
+    if not isinstance(jobs, int) or jobs < 1:
+        raise ValueError(f"compare: jobs must be a positive int, got {jobs!r}")
     base = config
     out_dir = Path(out if out is not None else (config.out or "runs/compare"))
     named: list[tuple[str, TrainConfig]] = []
@@ -651,22 +688,23 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
         else:
             name, over = v
             c = base.with_variant(over, name=name)
-        named.append((name, c))
+        named.append((name, dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)))
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate variant names in {names}")
     runs: dict[str, RunResult] = {}
     ctx = distributed.setup(config.device)   # one process group for all the runs (each train uses it)
     try:
-        for name, c in named:
-            c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
-            try:
-                runs[name] = train(c)
-            except NonFiniteError as exc:
-                if ctx.is_main:
-                    print(f"[compare] {exc}", file=sys.stderr)
-                assert exc.result is not None
-                runs[name] = exc.result
+        if jobs > 1 and ctx.distributed:
+            raise ValueError(f"compare: jobs={jobs} under torchrun with {ctx.world_size} ranks; every variant "
+                             "already trains on all of them (use jobs=1)")
+        if min(jobs, len(named)) > 1:
+            runs = _compare_in_processes(named, jobs, report=config.progress is not False)
+        else:
+            for name, c in named:
+                runs[name], stopped = _train_variant(c)
+                if stopped and ctx.is_main:
+                    print(f"[compare] {stopped}", file=sys.stderr)
     finally:
         distributed.teardown(ctx)
     table = format_table(runs, baseline if baseline in runs else None)
@@ -680,3 +718,27 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
                                  title=f"validation loss, preset {base.preset}")
     return CompareResult(runs, str(table_path), str(json_path), plot_path,
                          baseline if baseline in runs else None)
+
+
+def _compare_in_processes(named: list[tuple[str, TrainConfig]], jobs: int, report: bool) -> dict[str, RunResult]:
+    """:func:`compare`'s runs, ``jobs`` at a time in spawned processes; the results in ``named``'s order."""
+    import concurrent.futures
+    import multiprocessing
+
+    jobs = min(jobs, len(named))
+    per_job = max(1, (os.cpu_count() or 1) // jobs)
+    done: dict[str, RunResult] = {}
+    with concurrent.futures.ProcessPoolExecutor(max_workers=jobs,
+                                                mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = {pool.submit(_train_variant, dataclasses.replace(
+            c, progress=False, threads=c.threads if c.threads is not None else per_job)): name for name, c in named}
+        for fut in concurrent.futures.as_completed(futures):
+            name = futures[fut]
+            done[name], stopped = fut.result()   # an exception in a worker is raised here
+            if stopped:
+                print(f"[compare] {stopped}", file=sys.stderr)
+            elif report:
+                r = done[name]
+                print(f"[compare] {name}: {r.status}, {r.steps_completed} steps, final val loss "
+                      f"{r.final_val_loss:.4f} ({len(done)} of {len(named)})", file=sys.stderr)
+    return {name: done[name] for name, _ in named}

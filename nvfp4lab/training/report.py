@@ -22,7 +22,8 @@ class RunResult:
     Losses are mean cross-entropy in nats per byte.
 
     Attributes:
-        status: ``"completed"`` or ``"stopped_nonfinite"``.
+        status: ``"completed"``, ``"stopped_nonfinite"``, or ``"stopped_spike"`` (a loss spike in the
+            last precision of a fallback chain).
         val_curve: a list of ``[step, val_loss]``.
         tokens_per_s: the steady state: training tokens over training time (validation
             excluded) of this session's steps after its first ``timing_warmup_steps`` (warm-up,
