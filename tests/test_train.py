@@ -241,6 +241,16 @@ def test_compare_in_two_processes_gives_the_bits_of_one_process(tmp_path):
         compare(cfg, variants, jobs=0)
 
 
+def test_compare_refuses_jobs_under_several_ranks(tmp_path, monkeypatch):
+    """Under torchrun every variant already trains on all ranks: jobs > 1 is an error there."""
+    from nvfp4lab.training import distributed
+
+    monkeypatch.setattr(distributed, "setup", lambda device: distributed.DistContext(rank=0, world_size=2))
+    monkeypatch.setattr(distributed, "teardown", lambda ctx: None)
+    with pytest.raises(ValueError, match="jobs=2 under torchrun with 2 ranks"):
+        compare(tiny(tmp_path), ["bf16", "nvfp4"], out=tmp_path / "c", jobs=2)
+
+
 def test_cuda_graph_needs_cuda_and_the_nvfp4lab_backend():
     with pytest.raises(ValueError, match="cuda_graph needs the nvfp4lab backend on a CUDA device"):
         TrainConfig(preset="ci", cuda_graph=True, device="cpu").resolved()
