@@ -239,6 +239,8 @@ def test_compare_in_two_processes_gives_the_bits_of_one_process(tmp_path):
     assert Path(two.table_path).exists()
     with pytest.raises(ValueError, match="jobs must be a positive int"):
         compare(cfg, variants, jobs=0)
+    with pytest.raises(ValueError, match="threads must be a positive int"):   # a worker's error reaches the caller
+        compare(cfg, ["bf16", ("bad", {"threads": -1})], out=tmp_path / "bad", jobs=2)
 
 
 def test_compare_refuses_jobs_under_several_ranks(tmp_path, monkeypatch):

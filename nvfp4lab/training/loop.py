@@ -666,12 +666,13 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
 
     ``jobs``: how many variants train at once, each in a process of its own (started with
     ``spawn``; a script that calls this needs Python's ``if __name__ == "__main__":`` guard). The
-    default, 1, trains them one after another in this process, as does a single variant. A small model leaves most of a
-    CPU's cores idle, so on a CPU ``jobs`` runs finish in about the time of one. A variant whose
-    ``threads`` is None gets ``cpu_count // jobs`` torch threads; with the same ``threads`` every
-    result is bit-identical to ``jobs=1`` (each run seeds its own generators from its config).
-    With ``jobs > 1`` the runs show no progress bars; a line per finished run goes to stderr unless
-    ``config.progress`` is False.
+    default, 1, trains them one after another in this process, as does a single variant. A small
+    model leaves most of a CPU's cores idle, so on a CPU ``jobs`` runs finish in about the time of
+    one. A variant whose ``threads`` is None gets (usable CPUs) // ``jobs`` torch threads; with the
+    same ``threads`` every result is bit-identical to ``jobs=1`` (each run seeds its own generators
+    from its config). With ``jobs > 1`` the runs show no progress bars; a line per finished run
+    goes to stderr unless ``config.progress`` is False. If a run raises, the runs not yet handed to
+    a worker are dropped, those running finish (their folders are complete), and the error is raised.
 
     Raises:
         ValueError: an unknown or duplicate variant name, ``jobs`` < 1, or ``jobs`` > 1 under
@@ -726,19 +727,24 @@ def _compare_in_processes(named: list[tuple[str, TrainConfig]], jobs: int, repor
     import multiprocessing
 
     jobs = min(jobs, len(named))
-    per_job = max(1, (os.cpu_count() or 1) // jobs)
+    cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    per_job = max(1, cpus // jobs)
     done: dict[str, RunResult] = {}
     with concurrent.futures.ProcessPoolExecutor(max_workers=jobs,
                                                 mp_context=multiprocessing.get_context("spawn")) as pool:
         futures = {pool.submit(_train_variant, dataclasses.replace(
             c, progress=False, threads=c.threads if c.threads is not None else per_job)): name for name, c in named}
-        for fut in concurrent.futures.as_completed(futures):
-            name = futures[fut]
-            done[name], stopped = fut.result()   # an exception in a worker is raised here
-            if stopped:
-                print(f"[compare] {stopped}", file=sys.stderr)
-            elif report:
-                r = done[name]
-                print(f"[compare] {name}: {r.status}, {r.steps_completed} steps, final val loss "
-                      f"{r.final_val_loss:.4f} ({len(done)} of {len(named)})", file=sys.stderr)
+        try:
+            for fut in concurrent.futures.as_completed(futures):
+                name = futures[fut]
+                done[name], stopped = fut.result()   # an exception in a worker is raised here
+                if stopped:
+                    print(f"[compare] {stopped}", file=sys.stderr)
+                elif report:
+                    r = done[name]
+                    print(f"[compare] {name}: {r.status}, {r.steps_completed} steps, final val loss "
+                          f"{r.final_val_loss:.4f} ({len(done)} of {len(named)})", file=sys.stderr)
+        except BaseException:
+            pool.shutdown(wait=True, cancel_futures=True)   # drop the runs not started; let running ones finish
+            raise
     return {name: done[name] for name, _ in named}
