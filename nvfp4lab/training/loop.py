@@ -699,8 +699,9 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
         if jobs > 1 and ctx.distributed:
             raise ValueError(f"compare: jobs={jobs} under torchrun with {ctx.world_size} ranks; every variant "
                              "already trains on all of them (use jobs=1)")
-        if min(jobs, len(named)) > 1:
-            runs = _compare_in_processes(named, jobs, report=config.progress is not False)
+        workers = min(jobs, len(named))   # a single variant trains in this process
+        if workers > 1:
+            runs = _compare_in_processes(named, workers, report=config.progress is not False)
         else:
             for name, c in named:
                 runs[name], stopped = _train_variant(c)
@@ -722,11 +723,11 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
 
 
 def _compare_in_processes(named: list[tuple[str, TrainConfig]], jobs: int, report: bool) -> dict[str, RunResult]:
-    """:func:`compare`'s runs, ``jobs`` at a time in spawned processes; the results in ``named``'s order."""
+    """:func:`compare`'s runs, ``jobs`` (at most ``len(named)``) at a time in spawned processes; the
+    results in ``named``'s order."""
     import concurrent.futures
     import multiprocessing
 
-    jobs = min(jobs, len(named))
     cpus = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     per_job = max(1, cpus // jobs)
     done: dict[str, RunResult] = {}
