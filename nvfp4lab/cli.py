@@ -311,7 +311,9 @@ def _cmd_compare(args: argparse.Namespace) -> int:
         return 2
     if os.environ.get("RANK", "0") == "0":   # under torchrun: rank 0 reports
         print(result.table())
-        print(f"table: {result.table_path}\njson:  {result.json_path}\nplot:  {result.plot_path}")
+        print(f"table: {result.table_path}\njson:  {result.json_path}")
+        if result.plot_path:   # (none with --no-plot)
+            print(f"plot:  {result.plot_path}")
     return 0
 
 

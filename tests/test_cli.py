@@ -92,8 +92,15 @@ def test_compare_command(tmp_path, capsys):
                    "--out", str(tmp_path / "cmp")])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "| fp8 | fp8 |" in out and "compare.png" in out
+    assert "| fp8 | fp8 |" in out and "compare.md" in out
     assert (tmp_path / "cmp" / "compare.md").exists() and (tmp_path / "cmp" / "fp8" / "run.json").exists()
+    # TINY has --no-plot: no PNG at all, neither the runs' nor the comparison's
+    assert "plot:" not in out and not list((tmp_path / "cmp").rglob("*.png"))
+    plotted = [a for a in TINY if a != "--no-plot"]
+    assert cli.main(["compare", "--variants", "bf16", *plotted, "--steps", "1", "--eval-interval", "1",
+                     "--out", str(tmp_path / "p")]) == 0
+    assert f"plot:  {tmp_path / 'p' / 'compare.png'}" in capsys.readouterr().out
+    assert (tmp_path / "p" / "compare.png").exists()
 
 
 def test_python_dash_m(tmp_path):

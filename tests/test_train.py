@@ -215,7 +215,7 @@ def test_checkpoint_atomic_and_validated(tmp_path):
 
 
 def test_compare_writes_table_and_plot(tmp_path):
-    res = compare(tiny(tmp_path, steps=3, eval_interval=3),
+    res = compare(tiny(tmp_path, steps=3, eval_interval=3, plot=True),
                   ["bf16", "nvfp4-no-rht", ("custom", {"precision": "fp8"})], out=tmp_path / "cmp")
     assert list(res.runs) == ["bf16", "nvfp4-no-rht", "custom"]
     assert res.runs["nvfp4-no-rht"].config["recipe"]["disable_rht"] is True
@@ -237,6 +237,7 @@ def test_compare_in_two_processes_gives_the_bits_of_one_process(tmp_path):
         assert two.runs[name].val_curve == r.val_curve and two.runs[name].final_train_loss == r.final_train_loss
         assert two.runs[name].status == "completed" and Path(two.runs[name].out_dir).parent == tmp_path / "two"
     assert Path(two.table_path).exists()
+    assert one.plot_path is two.plot_path is None and not list(tmp_path.rglob("*.png"))   # plot=False: no PNG
     with pytest.raises(ValueError, match="jobs must be a positive int"):
         compare(cfg, variants, jobs=0)
     with pytest.raises(ValueError, match="threads must be a positive int"):   # a worker's error reaches the caller

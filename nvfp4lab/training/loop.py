@@ -656,7 +656,8 @@ def _train_variant(config: TrainConfig) -> tuple[RunResult, str | None]:
 def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str, Any]]] = (
         "bf16", "fp8", "nvfp4"), *, out: str | os.PathLike | None = None,
         baseline: str | None = "bf16", jobs: int = 1) -> CompareResult:
-    """Train ``config`` once per variant and write ``compare.md``, ``compare.json``, ``compare.png``.
+    """Train ``config`` once per variant and write ``compare.md``, ``compare.json`` and, unless
+    ``config.plot`` is False, ``compare.png`` (the validation curves of every run).
 
     ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
     ``<out>/<name>/``. A run that stops on a non-finite loss is recorded (status
@@ -716,8 +717,9 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
         out_dir.mkdir(parents=True, exist_ok=True)
         table_path.write_text(table + "\n")
         write_json(json_path, {"baseline": baseline, "runs": {k: r.to_dict() for k, r in runs.items()}})
-        plot_path = plot_compare(runs, out_dir / "compare.png",
-                                 title=f"validation loss, preset {base.preset}")
+        if config.plot:
+            plot_path = plot_compare(runs, out_dir / "compare.png",
+                                     title=f"validation loss, preset {base.preset}")
     return CompareResult(runs, str(table_path), str(json_path), plot_path,
                          baseline if baseline in runs else None)
 
