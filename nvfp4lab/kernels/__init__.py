@@ -87,7 +87,10 @@ _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     "rows_amax_given": dict(BM=1, NB=64, num_warps=2),
     "rows_narrow": dict(BM=4, NB=16, num_warps=2),  # when K/16 is not a multiple of 32 (K = 768: -7%)
     "rows_values": dict(BM=4, NB=32, num_warps=4),  # with the BF16 values (H200, 8192^2: 172 vs 190 us)
-    "rows_values_narrow": dict(BM=8, NB=16, num_warps=4),  # the same, K/16 not a multiple of 32
+    # the same, K/16 not a multiple of 32 (K = 768, 2304). H200, NVFP4Linear fwd+bwd captured: its
+    # kernels' GPU time 5.2 us less than at BM=8 NB=16 w4 at 8192 x 768 -> 2304, and 6.9, 5.7, 5.2,
+    # 2.6 us less at GPT-2-small's four layers, 16384 tokens (results/tile_sweep_nvidia_h200.json)
+    "rows_values_narrow": dict(BM=4, NB=16, num_warps=2),
     "values": dict(BM=4, NB=32, num_warps=4),
     # 16-slice kernel (columnwise blocks as element-wise ops between 16 row slices): G groups of
     # 16 rows x BK columns per program
