@@ -25,11 +25,10 @@ candidate's ``delta_us`` means. CUDA only; written with provenance to
 from __future__ import annotations
 
 import argparse
-import collections
 import json
 import sys
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -37,6 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_api import _fwd_bwd  # noqa: E402  (the same step as the API benchmark)
 from benchmarks.bench_kernels import _slug  # noqa: E402  (the result files' device names)
+from benchmarks.launch_profile import kernels_per_call  # noqa: E402  (the one kernel-time profile)
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
@@ -77,19 +77,9 @@ CANDIDATES: dict[str, list[dict[str, int]]] = {
 
 
 def kernel_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """The GPU microseconds of the kernels in :data:`OURS` per replay of ``graph``."""
-    for _ in range(3):
-        graph.replay()
-    torch.cuda.synchronize()
-    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
-        for _ in range(replays):
-            graph.replay()
-        torch.cuda.synchronize()
-    per: dict[str, float] = collections.defaultdict(float)
-    for e in prof.events():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.name in OURS:
-            per[e.name] += e.device_time
-    return sum(per.values()) / replays
+    """The GPU microseconds of the kernels in :data:`OURS` per replay of ``graph``
+    (:func:`benchmarks.launch_profile.kernels_per_call`'s profile of its replays)."""
+    return sum(us for name, us in kernels_per_call(graph.replay, replays)[1].items() if name in OURS)
 
 
 def sweep_shape(M: int, K: int, N: int, keys: list[str], replays: int) -> dict[str, Any]:
