@@ -60,6 +60,15 @@ def kernels_per_call(fn: Callable[[], Any], calls: int = 10) -> tuple[dict[str, 
     return {k: c // calls for k, c in counts.most_common()}, {k: round(v, 2) for k, v in us.most_common()}
 
 
+def nvfp4lab_kernel_names() -> frozenset[str]:
+    """The names of nvfp4lab's Triton kernels as the profiler reports them: every ``@triton.jit``
+    function of :mod:`nvfp4lab.kernels.triton_kernels` whose name ends in ``_kernel`` (the GEMMs are
+    cuBLAS's). The one list of "our kernels" for the benchmarks that profile them."""
+    from nvfp4lab.kernels import triton_kernels
+
+    return frozenset(name for name in dir(triton_kernels) if name.endswith("_kernel"))
+
+
 def top_functions(fn: Callable[[], Any], n: int, calls: int = 50, sort: str = "tottime") -> str:
     fn()
     torch.cuda.synchronize()

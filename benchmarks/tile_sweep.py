@@ -10,8 +10,9 @@ mode of ``--keys`` and each candidate tile in :data:`CANDIDATES` re-captures it 
 changed (``kernels.use_options(config={mode: tile})``). Reported per candidate:
 
 * ``kernels_us``: the GPU time of nvfp4lab's own kernels per forward+backward (``torch.profiler``'s
-  kernel durations over ``--replays`` graph replays, summed over the kernels in :data:`OURS`). The
-  GEMMs do not depend on the tiles and are left out, so small differences are not buried in theirs;
+  kernel durations over ``--replays`` graph replays, summed over the names of
+  :func:`benchmarks.launch_profile.nvfp4lab_kernel_names`). The GEMMs do not depend on the tiles and
+  are left out, so small differences are not buried in theirs;
 * ``graph_us``: the whole graph's time (:func:`nvfp4lab.timing.bench_ms`);
 * ``bits_equal``: whether one eager forward+backward from the same SR state gives the same output,
   dX and dW, bit for bit, as the default tiles (a tile changes which program computes an element,
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.bench_api import _fwd_bwd  # noqa: E402  (the same step as the API benchmark)
 from benchmarks.bench_kernels import _slug  # noqa: E402  (the result files' device names)
-from benchmarks.launch_profile import kernels_per_call  # noqa: E402  (the one kernel-time profile)
+from benchmarks.launch_profile import kernels_per_call, nvfp4lab_kernel_names  # noqa: E402  (the one kernel-time profile)
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.linear import NVFP4Linear  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
@@ -45,9 +46,6 @@ from nvfp4lab.timing import bench_ms, capture  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 #: the API benchmark's qkv shape, and GPT-2-small's four layers at its training batch (16 x 1024 tokens)
 SHAPES = ((8192, 768, 2304), (16384, 768, 2304), (16384, 768, 768), (16384, 768, 3072), (16384, 3072, 768))
-#: nvfp4lab's kernels (the GEMMs are cuBLAS's)
-OURS = ("amax_kernel", "amax_slices_kernel", "quantize_kernel", "quantize_slices_kernel", "quantize_rows_kernel",
-        "block_values_rows_kernel", "gemm_alpha_kernel", "gemm_epilogue_kernel")
 
 
 def _slices(*tiles: tuple[int, int, int]) -> list[dict[str, int]]:
@@ -77,9 +75,10 @@ CANDIDATES: dict[str, list[dict[str, int]]] = {
 
 
 def kernel_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """The GPU microseconds of the kernels in :data:`OURS` per replay of ``graph``
+    """The GPU microseconds of nvfp4lab's kernels (:func:`benchmarks.launch_profile.nvfp4lab_kernel_names`) per replay of ``graph``
     (:func:`benchmarks.launch_profile.kernels_per_call`'s profile of its replays)."""
-    return sum(us for name, us in kernels_per_call(graph.replay, replays)[1].items() if name in OURS)
+    ours = nvfp4lab_kernel_names()
+    return sum(us for name, us in kernels_per_call(graph.replay, replays)[1].items() if name in ours)
 
 
 def sweep_shape(M: int, K: int, N: int, keys: list[str], replays: int) -> dict[str, Any]:

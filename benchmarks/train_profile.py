@@ -36,6 +36,7 @@ from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from benchmarks.launch_profile import nvfp4lab_kernel_names  # noqa: E402  (the one list of nvfp4lab's kernels)
 from nvfp4lab.capabilities import require_device  # noqa: E402
 from nvfp4lab.provenance import environment  # noqa: E402
 from nvfp4lab.training import TrainConfig, train  # noqa: E402
@@ -44,14 +45,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MODES = {"eager": {}, "compile": {"compile": True}, "cuda_graph": {"cuda_graph": True, "graph_optimizer": True}}
 
 
-def _ours() -> set[str]:
-    """The names of nvfp4lab's Triton kernels (as the profiler reports them)."""
-    from nvfp4lab.kernels import triton_kernels
-
-    return {name for name in dir(triton_kernels) if name.endswith("_kernel")}
-
-
-def category(name: str, ours: set[str]) -> str:
+def category(name: str, ours: frozenset[str]) -> str:
     """The group a kernel of this name belongs to (see the module docstring)."""
     if name in ours:
         return "nvfp4lab kernels"
@@ -69,7 +63,7 @@ def category(name: str, ours: set[str]) -> str:
 
 def kernel_ms(cfg: TrainConfig) -> tuple[dict[str, float], dict[str, tuple[int, float]], Any]:
     """Train with ``cfg`` under the profiler: (ms by category, (calls, ms) by kernel name, the run's result)."""
-    ours = _ours()
+    ours = nvfp4lab_kernel_names()
     torch._dynamo.reset()
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         result = train(cfg)
@@ -94,7 +88,7 @@ def difference_problems(per_step: dict[str, float], kernels: list[dict[str, Any]
     (:mod:`nvfp4lab.cuda_graphs`), which depends on where the allocator put it. ``per_step``: ms
     per step by category; ``kernels``: rows with ``name``, ``calls_per_step``, ``ms_per_step``.
     Returns one sentence per problem (empty: none found)."""
-    ours = _ours()
+    ours = nvfp4lab_kernel_names()
     problems = [f"{cat}: {ms:.2f} ms per step (negative)" for cat, ms in per_step.items()
                 if cat != "host transfers" and ms < -tol_ms]
     problems += [f"{k['name'][:60]}: {k['calls_per_step']:g} calls per step" for k in kernels
