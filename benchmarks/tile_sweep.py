@@ -75,8 +75,8 @@ CANDIDATES: dict[str, list[dict[str, int]]] = {
 
 
 def kernel_us(graph: torch.cuda.CUDAGraph, replays: int) -> float:
-    """The GPU microseconds of nvfp4lab's kernels (:func:`benchmarks.launch_profile.nvfp4lab_kernel_names`) per replay of ``graph``
-    (:func:`benchmarks.launch_profile.kernels_per_call`'s profile of its replays)."""
+    """The GPU microseconds of nvfp4lab's kernels (:func:`benchmarks.launch_profile.nvfp4lab_kernel_names`)
+    per replay of ``graph`` (:func:`benchmarks.launch_profile.kernels_per_call`'s profile of its replays)."""
     ours = nvfp4lab_kernel_names()
     return sum(us for name, us in kernels_per_call(graph.replay, replays)[1].items() if name in ours)
 

@@ -34,9 +34,10 @@ class SlicedPollChannel(AsyncZMQSocketChannel):
 
     Under load, a cell that moves widgets has waited out the whole cell timeout (240 s) for an
     execute reply the kernel had already sent, and then completed (jupyter/nbclient#312, open).
-    pyzmq's asyncio poll misses the socket's wake-up but, when its timeout fires, finds the message
-    with a last ``poll(0)`` (``zmq/_future.py``, ``_AsyncPoller.poll``); a new poll also looks at the
-    socket's events first. So polling in slices of a second bounds the stall at a second, the remedy
+    The likely cause, read from the code (the stall was not reproduced on purpose): pyzmq's asyncio
+    poll misses the socket's wake-up but, when its timeout fires, finds the message with a last
+    ``poll(0)`` (``zmq/_future.py``, ``_AsyncPoller.poll``); a new poll also looks at the socket's
+    events first. So polling in slices of a second bounds the stall at a second, the remedy
     of nbclient's PR #311 (five-second slices), here without patching nbclient. ``timeout=None``
     still waits for ever; a finite timeout still ends in ``queue.Empty``.
     """
