@@ -43,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
 
     import papermill as pm
 
+    sys.path.insert(0, str(ROOT / "book" / "_ext"))
+    from notebook_kernel import SlicedPollKernelManager   # the kernel manager of the tests and the book build
+
     os.environ["PYTHONPATH"] = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     os.environ.setdefault("TQDM_DISABLE", "1")
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
@@ -59,7 +62,8 @@ def main(argv: list[str] | None = None) -> int:
             try:
                 pm.execute_notebook(str(nb), str(Path(tmp) / nb.name), parameters={"smoke": True} if args.smoke else {},
                                     kernel_name="python3", cwd=str(nb.parent), execution_timeout=args.timeout,
-                                    progress_bar=False, log_output=False)
+                                    progress_bar=False, log_output=False,
+                                    kernel_manager_class=SlicedPollKernelManager)
             except pm.PapermillExecutionError as e:
                 rec = {"status": "error", "cell": e.cell_index, "error": f"{e.ename}: {e.evalue}"[:500]}
             except Exception as e:  # noqa: BLE001 - a kernel that died, a timeout

@@ -8,6 +8,7 @@ outputs and are not executed here.
 """
 
 import os
+import sys
 import time
 from pathlib import Path
 from queue import Empty
@@ -15,55 +16,16 @@ from queue import Empty
 import pytest
 
 pm = pytest.importorskip("papermill")
-from jupyter_client.asynchronous import AsyncKernelClient  # noqa: E402  (papermill's dependencies)
-from jupyter_client.channels import AsyncZMQSocketChannel  # noqa: E402
-from jupyter_client.manager import AsyncKernelManager  # noqa: E402
-from traitlets import DottedObjectName, Type  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "book" / "_ext"))   # the book build's extensions: the one home of the kernel manager
+from notebook_kernel import SlicedPollChannel, SlicedPollKernelManager, install  # noqa: E402
 NOTEBOOKS = sorted(
     p
     for d in ("book", "labs")
     for p in (ROOT / d).rglob("*.ipynb")
     if ".ipynb_checkpoints" not in p.parts and not p.name.endswith("_gpu.ipynb")
 )
-
-
-class SlicedPollChannel(AsyncZMQSocketChannel):
-    """A kernel channel that waits for a message in polls of at most a second.
-
-    Under load, a cell that moves widgets has waited out the whole cell timeout (240 s) for an
-    execute reply the kernel had already sent, and then completed (jupyter/nbclient#312, open).
-    The likely cause, read from the code (the stall was not reproduced on purpose): pyzmq's asyncio
-    poll misses the socket's wake-up but, when its timeout fires, finds the message with a last
-    ``poll(0)`` (``zmq/_future.py``, ``_AsyncPoller.poll``); a new poll also looks at the socket's
-    events first. So polling in slices of a second bounds the stall at a second, the remedy
-    of nbclient's PR #311 (five-second slices), here without patching nbclient. ``timeout=None``
-    still waits for ever; a finite timeout still ends in ``queue.Empty``.
-    """
-
-    SLICE_S = 1.0
-
-    async def get_msg(self, timeout=None):
-        deadline = None if timeout is None else time.monotonic() + timeout
-        while True:
-            left = self.SLICE_S if deadline is None else min(self.SLICE_S, max(0.0, deadline - time.monotonic()))
-            if await self.socket.poll(int(left * 1000)):
-                return await self._recv()
-            if deadline is not None and time.monotonic() >= deadline:
-                raise Empty
-
-
-class SlicedPollKernelClient(AsyncKernelClient):
-    shell_channel_class = SlicedPollChannel
-    iopub_channel_class = SlicedPollChannel
-
-
-class SlicedPollKernelManager(AsyncKernelManager):
-    """nbclient's default kernel manager, whose clients poll in slices (:class:`SlicedPollChannel`)."""
-
-    client_class = DottedObjectName(f"{__name__}.SlicedPollKernelClient")
-    client_factory = Type(SlicedPollKernelClient, klass=AsyncKernelClient)
 
 
 # Parameters per notebook; every notebook gets smoke=True. The labs also get drive values.
@@ -84,12 +46,13 @@ def test_notebook_runs(nb, tmp_path, monkeypatch):
     out = tmp_path / nb.name
     params = {"smoke": True, **PARAMS.get(nb.name, {})}
     # Per cell. The slowest smoke cell takes about 80 s on 2 busy cores. The kernel manager's
-    # clients poll in slices (SlicedPollChannel), so a missed wake-up costs a second, not the timeout.
+    # clients poll in slices (book/_ext/notebook_kernel.py), so a missed wake-up costs a second, not
+    # the timeout.
     try:
         pm.execute_notebook(
             str(nb), str(out), parameters=params, kernel_name="python3", cwd=str(nb.parent),
             execution_timeout=240, progress_bar=False, log_output=False,
-            kernel_manager_class=f"{__name__}.SlicedPollKernelManager",
+            kernel_manager_class=SlicedPollKernelManager,
         )
     except pm.PapermillExecutionError as e:
         first_line = (e.source or "").strip().splitlines()[0] if (e.source or "").strip() else ""
@@ -125,3 +88,30 @@ def test_the_notebook_kernels_clients_poll_in_slices_and_keep_the_timeout_contra
             await km.shutdown_kernel(now=True)
 
     asyncio.run(main())
+
+
+def test_the_book_build_executes_notebooks_with_the_sliced_poll_kernel_manager(monkeypatch):
+    """book/_ext/notebook_kernel.py's install() (its Sphinx setup) makes jupyter-cache's
+    single_nb_execution, which myst-nb's cache mode calls, run a notebook through
+    SlicedPollChannel clients; the cell's output still arrives."""
+    import nbformat
+    from jupyter_cache.executors import utils
+
+    monkeypatch.setattr(utils, "executenb", utils.executenb)   # undone after the test
+    polls = []
+    get_msg = SlicedPollChannel.get_msg
+
+    async def counted(self, timeout=None):
+        polls.append(timeout)
+        return await get_msg(self, timeout)
+
+    monkeypatch.setattr(SlicedPollChannel, "get_msg", counted)
+    install()
+    install()   # idempotent: one wrapper, not two
+    assert utils.executenb.keywords == {"kernel_manager_class": SlicedPollKernelManager}
+    nb = nbformat.v4.new_notebook(cells=[nbformat.v4.new_code_cell("print(6 * 7)")])
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    result = utils.single_nb_execution(nb, cwd=None, timeout=60, allow_errors=False)
+    assert result.err is None
+    assert nb.cells[0].outputs[0]["text"].strip() == "42"
+    assert polls, "the notebook ran without the sliced-poll channels"
