@@ -106,6 +106,12 @@ class NVFP4Recipe:
         row_scaled_activation: one FP32 amax per row (token) for the forward activation
             (the rowwise input copy) instead of one per tensor (TE ``NVFP4BlockScaling``,
             env ``NVTE_NVFP4_ROW_SCALED_ACTIVATION``). Needs ``disable_rht=True``. Default False.
+            nvfp4lab row-scales the Fprop copy only, as TE's reference quantizer does (spec section
+            2: "Row-scaled mode is rowwise only"). TE 2.20's native kernels also row-scale the
+            columnwise (Wgrad) copy (TE PR #3206), and reject row scaling together with 4over6 on
+            activations wherever they make that copy, i.e. in training
+            (``common/cast/dispatch/quantize.cuh``: "Row-scaled NVFP4 transpose quantization is
+            not supported with 4over6 mode"); nvfp4lab runs that combination, in emulation only.
         nvfp4_4over6: where 4over6 runs: ``"none"``, ``"weights"``, ``"activations"`` or
             ``"all"`` (TE field, env ``NVTE_NVFP4_4OVER6``). Per block, the map-to-6 scale
             (``amax/6``) and the map-to-4 scale (``1.5x``, block max on FP4 value 4) are both
