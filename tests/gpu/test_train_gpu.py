@@ -3,8 +3,12 @@
 Run on the GPU machine: ``pytest -m gpu tests/gpu/test_train_gpu.py``.
 """
 
-import gc
+import json
 import math
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -66,6 +70,21 @@ def test_graph_with_optimizer_skips_a_nonfinite_step_like_eager(tmp_path, monkey
     assert abs(graph.final_val_loss - eager.final_val_loss) < 0.02 * eager.final_val_loss
 
 
+def _timed_layer_graphs(tmp_path, precision: str) -> dict:
+    """``RunResult.layer_graphs``, the NVFP4 layer count and the timed steps of a short eager run
+    (the CI preset, 20 steps, 10 of them timed) trained in a process of its own."""
+    code = ("import json, sys; from nvfp4lab.training import TrainConfig, train; "
+            "r = train(TrainConfig(precision=sys.argv[1], out=sys.argv[2], preset='ci', steps=20, "
+            "timing_warmup_steps=10, device='cuda', progress=False, plot=False, eval_interval=20, cooldown_frac=0.0)); "
+            "print(json.dumps(dict(g=r.layer_graphs, n=r.layers['nvfp4'], timed=r.timed_steps)))")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-c", code, precision, str(tmp_path / precision)], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
 def test_eager_steady_steps_replay_the_layer_graphs_without_copies(tmp_path):
     """``RunResult.layer_graphs`` over an eager run's timed steps: every NVFP4 layer call, forward and
     backward, replays that layer's own CUDA graph (no direct call, no capture, nothing copied out),
@@ -73,19 +92,16 @@ def test_eager_steady_steps_replay_the_layer_graphs_without_copies(tmp_path):
     the layers read X and dY where they are (before a35272c every layer copied both in on every
     step). BF16 layers use no layer graphs: all counts zero.
 
-    The run starts as a training process does, with no garbage and an empty caching allocator: in a
-    full ``pytest -m gpu`` run (H200, TE installed, 72d2ff4) earlier tests' memory, freed during the
-    timed steps or cached, kept the allocator from settling: 20 captures in the timed steps, and
-    78 of their 80 layer calls replayed owned graphs."""
-    common = dict(preset="ci", steps=20, timing_warmup_steps=10, device="cuda", progress=False, plot=False,
-                  eval_interval=20, cooldown_frac=0.0)
-    gc.collect()
-    torch.cuda.empty_cache()
-    r = train(TrainConfig(precision="nvfp4", out=str(tmp_path / "nvfp4"), **common))
-    g, n = r.layer_graphs, r.layers["nvfp4"]
-    assert r.timed_steps == 10 and n > 0
-    assert g["calls"] == g["owned_replays"] == 2 * n * r.timed_steps, g
+    Each run trains in a process of its own, as a training run does: inside the process of a full
+    ``pytest -m gpu`` run (H200, TE installed, 72d2ff4 and 2a7ed7a) the timed steps captured 20 graphs
+    and 78 of their 80 layer calls replayed owned graphs, even after ``gc.collect()`` and
+    ``torch.cuda.empty_cache()``; alone, after importing TE, or after the TE, capture or compile tests
+    alone, none."""
+    r = _timed_layer_graphs(tmp_path, "nvfp4")
+    g, n = r["g"], r["n"]
+    assert r["timed"] == 10 and n > 0
+    assert g["calls"] == g["owned_replays"] == 2 * n * r["timed"], g
     assert g["direct"] == g["captures"] == g["copying_replays"] == g["bytes_out"] == 0, g
     assert g["bytes_in"] == 0, g
-    b = train(TrainConfig(precision="bf16", out=str(tmp_path / "bf16"), **common))
-    assert set(b.layer_graphs.values()) == {0}
+    b = _timed_layer_graphs(tmp_path, "bf16")
+    assert set(b["g"].values()) == {0}
