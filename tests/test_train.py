@@ -67,6 +67,13 @@ def test_config_resolution_and_validation():
                 dict(n_embd=30, n_head=4)):
         with pytest.raises(ValueError):
             TrainConfig(**bad).resolved()
+    # the recipe's BF16 blocks are checked against the resolved depth (ci: 3 blocks) before anything runs
+    with pytest.raises(ValueError, match="keeps all 3 blocks in BF16"):
+        TrainConfig(preset="ci", recipe=NVFP4Recipe(bf16_first_layers=1, bf16_last_layers=2)).resolved()
+    with pytest.raises(ValueError, match="= 4 blocks in BF16, but the model has only 3"):
+        TrainConfig(preset="ci", recipe=NVFP4Recipe(bf16_first_layers=2, bf16_last_layers=2)).resolved()
+    assert TrainConfig(preset="ci", precision="bf16", recipe=NVFP4Recipe(bf16_first_layers=2, bf16_last_layers=2)
+                       ).resolved().n_layer == 3                       # no NVFP4 layer: the recipe is not used
     v = TrainConfig().with_variant("nvfp4-all-layers")
     assert v.recipe == NVFP4Recipe(bf16_first_layers=0, bf16_last_layers=0, quantize_lm_head=True)
     assert v.name == "nvfp4-all-layers"

@@ -240,6 +240,8 @@ class TrainConfig:
             if not isinstance(self.block_recipe, Mapping):
                 raise ValueError(f"TrainConfig.block_recipe must be a mapping of recipe fields, got {self.block_recipe!r}")
             block_recipe_for(self.precision, self.block_recipe)  # ValueError naming the precision or field
+        if canonical_name(self.precision) == "nvfp4" and self.n_layer is not None:
+            self.recipe.check_num_blocks(self.n_layer)   # the BF16 blocks must fit the model (both backends)
         if self.cooldown_frac > 0 and canonical_name(self.precision) in ("fp32", "bf16"):
             raise ValueError(f"cooldown_frac={self.cooldown_frac} only makes sense for precision "
                              f"nvfp4 or fp8 (it switches them to BF16), not {self.precision!r}")
