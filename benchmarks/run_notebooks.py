@@ -39,6 +39,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="inject smoke=True (the test suite's sizes)")
     p.add_argument("--only", default="", help="comma-separated notebook names (default: all)")
     p.add_argument("--timeout", type=int, default=900, help="seconds per cell")
+    p.add_argument("--update", action="store_true",
+                   help="add to the records already in --out (written by an earlier call on this machine, same commit "
+                        "and smoke setting) instead of starting a new file")
     args = p.parse_args(argv)
 
     import papermill as pm
@@ -51,7 +54,15 @@ def main(argv: list[str] | None = None) -> int:
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     wanted = {n.strip() for n in args.only.split(",") if n.strip()}
     result = {"environment": environment(), "smoke": args.smoke, "notebooks": {}}
-    failed = 0
+    if args.update and args.out.exists():
+        earlier = json.loads(args.out.read_text())
+        for key in ("git_commit", "device", "torch", "transformer_engine"):
+            if earlier["environment"].get(key) != result["environment"].get(key):
+                raise SystemExit(f"--update: {args.out} was written with {key}={earlier['environment'].get(key)!r}, "
+                                 f"this run has {result['environment'].get(key)!r}; start a new file")
+        if earlier["smoke"] != args.smoke:
+            raise SystemExit(f"--update: {args.out} has smoke={earlier['smoke']}, this run smoke={args.smoke}")
+        result["notebooks"] = earlier["notebooks"]
     with tempfile.TemporaryDirectory() as tmp:
         for nb in notebooks():
             if wanted and nb.name not in wanted:
@@ -69,13 +80,21 @@ def main(argv: list[str] | None = None) -> int:
             except Exception as e:  # noqa: BLE001 - a kernel that died, a timeout
                 rec = {"status": "error", "error": f"{type(e).__name__}: {e}"[:500]}
             rec["seconds"] = round(time.perf_counter() - t0, 1)
-            failed += rec["status"] != "ok"
             result["notebooks"][name] = rec
             print(f"[notebooks] {name}: {rec['status']} in {rec['seconds']} s {rec.get('error', '')}", flush=True)
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(result, indent=1))
+            _write(args.out, result)   # after every notebook: a run cut short keeps what it finished
+    _write(args.out, result)
+    failed = sum(r["status"] != "ok" for r in result["notebooks"].values())
     print(f"[notebooks] {len(result['notebooks']) - failed}/{len(result['notebooks'])} ran; wrote {args.out}")
     return 1 if failed else 0
+
+
+def _write(path: Path, result: dict) -> None:
+    """``result`` as JSON at ``path``, replaced atomically (a reader never sees half a file)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(result, indent=1))
+    os.replace(tmp, path)
 
 
 if __name__ == "__main__":
