@@ -304,6 +304,11 @@ def test_setup_rejects_bad_torchrun_variables(monkeypatch):
     monkeypatch.setenv("RANK", "1")
     with pytest.raises(ValueError, match="--device cuda:1 names one GPU but 2 ranks run: use --device cuda"):
         D.setup("cuda:1")
+    # a rank without a GPU of its own (two ranks per node on a one-GPU machine, or none on a CPU machine)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    with pytest.raises(ValueError, match=r"LOCAL_RANK=1 but this machine has 1 GPU\(s\).*--nproc-per-node 1"):
+        D.setup("cuda")
 
 
 def test_shard_rows():

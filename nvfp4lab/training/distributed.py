@@ -97,8 +97,9 @@ def setup(device: str | torch.device) -> DistContext:
         the caller is used as it is (and left to the caller).
 
     Raises:
-        ValueError: inconsistent ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, or a device index
-            (``cuda:1``) under several ranks (every rank would use the same GPU).
+        ValueError: inconsistent ``RANK`` / ``WORLD_SIZE`` / ``LOCAL_RANK``, a device index
+            (``cuda:1``) under several ranks (every rank would use the same GPU), or a CUDA rank whose
+            ``LOCAL_RANK`` has no GPU of its own (more ranks per node than GPUs).
     """
     device = torch.device(device)
     if dist.is_available() and dist.is_initialized():
@@ -115,6 +116,11 @@ def setup(device: str | torch.device) -> DistContext:
         if device.index is not None and world > 1:
             raise ValueError(f"--device {device} names one GPU but {world} ranks run: use --device cuda "
                              "(rank r then takes cuda:<LOCAL_RANK>)")
+        gpus = torch.cuda.device_count()
+        if local >= gpus:
+            raise ValueError(f"rank {rank} has LOCAL_RANK={local} but this machine has {gpus} GPU(s), one per rank: "
+                             f"start at most {gpus} ranks per node (torchrun --nproc-per-node {gpus}), or train on "
+                             "--device cpu (gloo)")
         device = torch.device("cuda", local)
         torch.cuda.set_device(device)
     backend = backend_for(device)
