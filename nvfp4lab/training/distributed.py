@@ -169,12 +169,16 @@ def wrap_model(model: nn.Module, parallel: str, ctx: DistContext) -> nn.Module:
         from torch.nn.parallel import DistributedDataParallel
 
         return DistributedDataParallel(model, device_ids=[ctx.device.index] if ctx.device.type == "cuda" else None)
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    # the mesh on this run's device type: fully_shard's default mesh takes the machine's accelerator, and
+    # on a GPU machine training on the CPU (gloo) it would move every rank to cuda:<LOCAL_RANK>
+    mesh = init_device_mesh(ctx.device.type, (ctx.world_size,))
     policy = MixedPrecisionPolicy(param_dtype=torch.float32, reduce_dtype=torch.float32)
     for block in model.blocks:
-        fully_shard(block, mp_policy=policy)
-    fully_shard(model, mp_policy=policy)   # embeddings, final norm and (tied) head
+        fully_shard(block, mesh=mesh, mp_policy=policy)
+    fully_shard(model, mesh=mesh, mp_policy=policy)   # embeddings, final norm and (tied) head
     return model
 
 
