@@ -107,3 +107,20 @@ def test_eager_steady_steps_replay_the_layer_graphs_without_copies(tmp_path):
     assert g["bytes_in"] == 0, g
     b = _timed_layer_graphs(tmp_path, "bf16")
     assert set(b["g"].values()) == {0}
+
+
+def test_two_cpu_ranks_on_a_gpu_machine_stay_on_the_cpu(tmp_path):
+    """``torchrun --nproc-per-node 2 ... --device cpu`` on a GPU machine trains two gloo ranks on the CPU.
+    FSDP2's default mesh takes the machine's accelerator and moved rank r to ``cuda:r``, which a one-GPU
+    machine lacks ("invalid device ordinal": chapter 09b failed so on the H200 at c5bbbb4); ``wrap_model``
+    now gives ``fully_shard`` a mesh on the run's device type."""
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
+    done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           "-m", "nvfp4lab", "train", "--precision", "nvfp4", "--preset", "ci", "--steps", "2",
+                           "--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--no-plot",
+                           "--device", "cpu", "--out", str(tmp_path / "run")],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "completed"
