@@ -70,6 +70,15 @@ def test_graph_with_optimizer_skips_a_nonfinite_step_like_eager(tmp_path, monkey
     assert abs(graph.final_val_loss - eager.final_val_loss) < 0.02 * eager.final_val_loss
 
 
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _child_env(**extra: str) -> dict:
+    """The environment of a child process that imports this checkout of nvfp4lab."""
+    return {**os.environ, **extra,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+
+
 def _timed_layer_graphs(tmp_path, precision: str) -> dict:
     """``RunResult.layer_graphs``, the NVFP4 layer count and the timed steps of a short eager run
     (the CI preset, 20 steps, 10 of them timed) trained in a process of its own."""
@@ -77,10 +86,8 @@ def _timed_layer_graphs(tmp_path, precision: str) -> dict:
             "r = train(TrainConfig(precision=sys.argv[1], out=sys.argv[2], preset='ci', steps=20, "
             "timing_warmup_steps=10, device='cuda', progress=False, plot=False, eval_interval=20, cooldown_frac=0.0)); "
             "print(json.dumps(dict(g=r.layer_graphs, n=r.layers['nvfp4'], timed=r.timed_steps)))")
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
-    done = subprocess.run([sys.executable, "-c", code, precision, str(tmp_path / precision)], cwd=root, env=env,
-                          capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-c", code, precision, str(tmp_path / precision)], cwd=ROOT,
+                          env=_child_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -114,13 +121,11 @@ def test_two_cpu_ranks_on_a_gpu_machine_stay_on_the_cpu(tmp_path):
     FSDP2's default mesh takes the machine's accelerator and moved rank r to ``cuda:r``, which a one-GPU
     machine lacks ("invalid device ordinal": chapter 09b failed so on the H200 at c5bbbb4); ``wrap_model``
     now gives ``fully_shard`` a mesh on the run's device type."""
-    root = Path(__file__).resolve().parents[2]
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "TQDM_DISABLE": "1",
-           "PYTHONPATH": os.pathsep.join(filter(None, [str(root), os.environ.get("PYTHONPATH")]))}
     done = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
                            "-m", "nvfp4lab", "train", "--precision", "nvfp4", "--preset", "ci", "--steps", "2",
                            "--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--no-plot",
                            "--device", "cpu", "--out", str(tmp_path / "run")],
-                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+                          cwd=tmp_path, env=_child_env(OMP_NUM_THREADS="1", TQDM_DISABLE="1"), capture_output=True,
+                          text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "completed"
