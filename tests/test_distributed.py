@@ -99,6 +99,8 @@ def test_two_ranks_reproduce_one_process_with_grad_accumulation(ranks, one, prec
     assert_same_curve(ranks / precision, one / f"{precision}-accum")
     run = json.loads((ranks / precision / "run.json").read_text())
     assert run["world_size"] == 2 and run["parallel"] == "fsdp"
+    per_rank = run["peak_memory_bytes_per_rank"]
+    assert len(per_rank) == 2 and per_rank[0] == run["peak_memory_bytes"] and min(per_rank) > 0
 
 
 @pytest.mark.slow

@@ -623,6 +623,8 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
         what = cfg.precision if cfg.name == cfg.precision else f"{cfg.name}: {cfg.precision}"
         plot_path = plot_metrics(metrics_path, out / "loss.png", title=f"{what}, preset {cfg.preset}")
     result = make_result(status, message, cfg.steps, plot_path)
+    if ctx.distributed:   # every rank completes here (the stops above are agreed decisions)
+        result.peak_memory_bytes_per_rank = [int(b) for b in distributed.gather_objects(result.peak_memory_bytes, ctx)]
     if ctx.is_main:
         write_json(out / "run.json", result.to_dict())
     return result

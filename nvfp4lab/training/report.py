@@ -35,7 +35,9 @@ class RunResult:
             calls run directly, captures, replays, bytes copied in and out); all zero where the
             layers replay no graphs of their own (BF16, or inside a captured step). Bytes copied
             in a steady step mean activations the layers' graphs could not read where they are.
-        peak_memory_bytes: described by ``peak_memory_kind``.
+        peak_memory_bytes: described by ``peak_memory_kind`` (this rank's).
+        peak_memory_bytes_per_rank: under ``torchrun``, every rank's ``peak_memory_bytes`` in rank
+            order (gathered when the run completes); ``None`` in one process or for a run that stopped.
         precision_segments: after a fallback, ``[{"precision", "from_step", "to_step", "ended_by"}]`` for
             each precision the run trained in (steps ``from_step`` to ``to_step``, exclusive; a segment
             ending in a fallback ends at the checkpoint it rolled back to); ``None`` without one.
@@ -80,6 +82,7 @@ class RunResult:
     precision_segments: list[dict[str, Any]] | None = None
     world_size: int = 1
     parallel: str | None = None
+    peak_memory_bytes_per_rank: list[int] | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return dataclasses.asdict(self)
