@@ -213,11 +213,12 @@ def main(argv: list[str] | None = None) -> int:
                     "--batch-size", str(batch), "--eval-interval", str(steps), "--eval-batches", "4",
                     "--checkpoint-interval", str(steps), "--log-interval", "1", "--seed", str(seed),
                     "--parallel", a.parallel]
-            run = _train(world, out, args, device)
-            if world > 1 and any(r["model"] == model and r["precision"] == precision and r["world_size"] == world
-                                 and r.get("seed", 0) == seed and r.get("parallel") == a.parallel for r in result["runs"]):
-                _log(f"skipped: {model} {precision} x{world} seed {seed} {a.parallel} is already in {out_path}")
+            parallel = a.parallel if world > 1 else None
+            if any(r["model"] == model and r["precision"] == precision and r["world_size"] == world
+                   and r.get("seed", 0) == seed and r.get("parallel") == parallel for r in result["runs"]):
+                _log(f"skipped: {model} {precision} x{world} seed {seed} {parallel or ''} is already in {out_path}")
                 continue
+            run = _train(world, out, args, device)
             row: dict[str, Any] = {"model": model, "precision": precision, "world_size": world, "seed": seed}
             if "error" in run:
                 row["error"] = run["error"]
