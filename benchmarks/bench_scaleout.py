@@ -62,15 +62,15 @@ def _env() -> dict[str, str]:
             "PYTHONUNBUFFERED": "1"}
 
 
-#: run under torchrun by :func:`_collectives`: NCCL all-gather and reduce-scatter of FP32 buffers the
-#: size of what FSDP2 moves per transformer block and per whole model, timed with CUDA events
+#: run under torchrun by :func:`_collectives`: NCCL all-gather and reduce-scatter of FP32 buffers of the
+#: sizes given as JSON in argv[1] (name -> elements), timed with CUDA events
 _COLLECTIVES_WORKER = r"""
 import json, os, sys, torch, torch.distributed as dist
 dist.init_process_group("nccl")
 rank, world = dist.get_rank(), dist.get_world_size()
 torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
 out = {}
-for name, numel in (("block", 7_087_872), ("model", 124_000_000)):   # GPT-2-small: one block, all weights
+for name, numel in json.loads(sys.argv[1]).items():
     numel -= numel % world
     full = torch.zeros(numel, device="cuda")
     shard = torch.ones(numel // world, device="cuda")
@@ -95,11 +95,16 @@ dist.destroy_process_group()
 
 
 def _collectives(world: int, tmp: Path) -> dict[str, Any]:
-    """NCCL all-gather and reduce-scatter timings on ``world`` GPUs and the transport NCCL chose
-    (its ``NCCL_DEBUG=INFO`` channel lines, e.g. ``via P2P/CUMEM`` or ``via SHM``)."""
+    """NCCL all-gather and reduce-scatter timings on ``world`` GPUs, of FP32 buffers the size of what
+    FSDP2 moves for one GPT-2-small block and for the whole model (:class:`nvfp4lab.plan.ModelShape`'s
+    parameter counts), and the transport NCCL chose (its ``NCCL_DEBUG=INFO`` channel lines, e.g.
+    ``via P2P/CUMEM`` or ``via SHM``)."""
+    shape = ModelShape.from_gpt_config(MODELS["gpt2-small"][2], "gpt2-small")
+    sizes = {"block": shape.block_params(), "model": shape.num_parameters()}
     script = tmp / "collectives.py"
     script.write_text(_COLLECTIVES_WORKER)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(script)]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}", str(script),
+           json.dumps(sizes)]
     proc = subprocess.run(cmd, env={**_env(), "NCCL_DEBUG": "INFO"}, capture_output=True, text=True)
     lines = (proc.stdout + proc.stderr).splitlines()
     result = next((json.loads(l.split("RESULT ", 1)[1]) for l in lines if "RESULT " in l), None)
