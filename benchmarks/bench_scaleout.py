@@ -1,13 +1,14 @@
 """FSDP2 training on several GPUs: ``python benchmarks/bench_scaleout.py [--gpus 1,2] [--out FILE] [--smoke]``.
 
 (``--models``, ``--precisions``: some of them; ``--parallel ddp``: DDP instead of FSDP2 on several GPUs;
-``--seed-runs N``; ``--no-resume``; ``--update``: add to a file an earlier call wrote on the same kind
-of machine, skipping runs it holds, since one device call is limited to 10 minutes.)
+``--compile``: the training steps through ``torch.compile`` (``nvfp4lab train --compile``), rows marked
+``"compile": true``; ``--seed-runs N``; ``--no-resume``; ``--update``: add to a file an earlier call
+wrote on the same kind of machine, skipping runs it holds, since one device call is limited to 10 minutes.)
 
 For each model (the ``gpt2-small`` preset and a larger shape that fills more of the GPUs) and each
 precision (BF16, FP8 current scaling and NVFP4, emulated by nvfp4lab), ``nvfp4lab train`` runs under
 ``torchrun --nproc-per-node W`` for every ``W`` of ``--gpus``, with the same global batch and seed
-(FSDP2, or DDP with ``--parallel ddp``; eager steps). Recorded per run, from rank 0's ``run.json``:
+(FSDP2, or DDP with ``--parallel ddp``; eager steps, or compiled with ``--compile``). Recorded per run, from rank 0's ``run.json``:
 steady-state tokens/s (the global batch) and median step, peak memory (``torch.cuda.max_memory_allocated``)
 of every rank, the validation curve; derived: scaling efficiency against one GPU (tokens/s at W /
 (W x tokens/s at 1)), the difference of the final validation loss from the one-GPU run, and the
@@ -134,9 +135,10 @@ DEFAULT_PRECISIONS = ("bf16", "fp8", "nvfp4")
 
 
 def _seed_spread(runs: list[dict[str, Any]], model: str) -> dict[str, Any] | None:
-    """The seed-to-seed spread of the final validation loss: BF16, one GPU, every seed run of ``model``."""
+    """The seed-to-seed spread of the final validation loss: BF16, one GPU, every eager seed run of ``model``."""
     losses = {r["seed"]: r["final_val_loss"] for r in runs
-              if r["model"] == model and r["precision"] == "bf16" and r["world_size"] == 1 and "final_val_loss" in r}
+              if r["model"] == model and r["precision"] == "bf16" and r["world_size"] == 1 and "final_val_loss" in r
+              and not r.get("compile")}
     if len(losses) < 2:
         return None
     return {"precision": "bf16", "world_size": 1, "seeds": sorted(losses),
@@ -157,6 +159,7 @@ def main(argv: list[str] | None = None) -> int:
                          "loss differences across world sizes are compared with")
     ap.add_argument("--parallel", choices=("fsdp", "ddp"), default="fsdp",
                     help="how runs on several GPUs spread the model (nvfp4lab train --parallel)")
+    ap.add_argument("--compile", action="store_true", help="train through torch.compile (nvfp4lab train --compile)")
     ap.add_argument("--no-resume", action="store_true", help="skip the resume of the largest world's checkpoint")
     ap.add_argument("--update", action="store_true",
                     help="add these runs to --out, written by an earlier call on the same kind of machine "
@@ -217,14 +220,17 @@ def main(argv: list[str] | None = None) -> int:
             args = ["--preset", preset, *overrides, "--precision", precision, "--steps", str(steps),
                     "--batch-size", str(batch), "--eval-interval", str(steps), "--eval-batches", "4",
                     "--checkpoint-interval", str(steps), "--log-interval", "1", "--seed", str(seed),
-                    "--parallel", a.parallel]
+                    "--parallel", a.parallel, *(["--compile"] if a.compile else [])]
             parallel = a.parallel if world > 1 else None
             if any(r["model"] == model and r["precision"] == precision and r["world_size"] == world
-                   and r.get("seed", 0) == seed and r.get("parallel") == parallel for r in result["runs"]):
-                _log(f"skipped: {model} {precision} x{world} seed {seed} {parallel or ''} is already in {out_path}")
+                   and r.get("seed", 0) == seed and r.get("parallel") == parallel
+                   and r.get("compile", False) == a.compile for r in result["runs"]):
+                _log(f"skipped: {model} {precision} x{world} seed {seed} {parallel or ''}"
+                     f"{' compiled' if a.compile else ''} is already in {out_path}")
                 continue
             run = _train(world, out, args, device)
-            row: dict[str, Any] = {"model": model, "precision": precision, "world_size": world, "seed": seed}
+            row: dict[str, Any] = {"model": model, "precision": precision, "world_size": world, "seed": seed,
+                                   **({"compile": True} if a.compile else {})}
             if "error" in run:
                 row["error"] = run["error"]
             else:
@@ -239,7 +245,8 @@ def main(argv: list[str] | None = None) -> int:
                            parallel=run.get("parallel"), planned_bytes=predicted,
                            plan_error=(predicted - run["peak_memory_bytes"]) / run["peak_memory_bytes"])
                 base = next((r for r in result["runs"] if r["model"] == model and r["precision"] == precision
-                             and r["world_size"] == 1 and r.get("seed", 0) == 0 and "tokens_per_s" in r), None)
+                             and r["world_size"] == 1 and r.get("seed", 0) == 0 and "tokens_per_s" in r
+                             and r.get("compile", False) == a.compile), None)
                 if seed == 0 and base is not None:
                     row["scaling_efficiency"] = row["tokens_per_s"] / (world * base["tokens_per_s"])
                     row["val_loss_minus_1gpu"] = row["final_val_loss"] - base["final_val_loss"]
