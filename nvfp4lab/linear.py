@@ -58,7 +58,7 @@ import contextlib
 import math
 import weakref
 from dataclasses import dataclass, field, replace
-from typing import Any, Callable, Iterator, Protocol
+from typing import Any, Callable, Iterator, NamedTuple, Protocol
 
 import torch
 import torch.nn as nn
@@ -215,6 +215,35 @@ _STATES: "weakref.WeakValueDictionary[int, _LayerState]" = weakref.WeakValueDict
 #: Keys of layer states collected since the last layer-graph call (list.append: safe from a finalizer).
 _GONE: list[int] = []
 
+class _SavedFormat(NamedTuple):
+    """What of a layer's recipe shapes the buffer its forward saves for the backward
+    (:func:`_saved_layout`): whether Xᵀ's and Wᵀ's columnwise copies use 16x16 blocks, and whether
+    they are rotated by the RHT (their own amax slot, their tokens padded to :data:`TOKEN_PAD`).
+
+    As one int (:meth:`code`) it is what the compile-mode custom op is given besides the layer's key,
+    so that the op's fake implementation, which sees no layer, can size the buffer. The key cannot
+    serve: Dynamo may trace it as a symbolic int — under FSDP2 each block's forward is a frame of its
+    own, recompiled for the next block's key with that int made dynamic — and a symbolic int finds
+    no layer. The code is the same for every layer of one recipe, so it stays a constant."""
+    x_2d: bool
+    x_rht: bool
+    w_2d: bool
+    w_rht: bool
+
+    @classmethod
+    def of(cls, recipe: NVFP4Recipe) -> "_SavedFormat":
+        x, w = recipe.quantize_options("input_columnwise"), recipe.quantize_options("weight_columnwise")
+        return cls(x["block"] == "2d", bool(x["rht"]), w["block"] == "2d", bool(w["rht"]))
+
+    def code(self) -> int:
+        return sum(int(flag) << i for i, flag in enumerate(self))
+
+    @classmethod
+    def from_code(cls, code: int) -> "_SavedFormat":
+        code = int(code)   # (a symbolic int specialises here, guarded: one graph per format)
+        return cls(*(bool(code >> i & 1) for i in range(len(cls._fields))))
+
+
 @dataclass
 class _LayerState:
     recipe: NVFP4Recipe
@@ -227,6 +256,12 @@ class _LayerState:
 
     def __post_init__(self) -> None:
         self._register()
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        super().__setattr__(name, value)
+        if name == "recipe":   # kept with its recipe: what the saved buffer looks like
+            super().__setattr__("saved_format", _SavedFormat.of(value))
+            super().__setattr__("saved_code", self.saved_format.code())
 
     def __setstate__(self, state: dict) -> None:  # copy / deepcopy / pickle: a new object, a new key
         self.__dict__.update(state)
@@ -331,11 +366,10 @@ def _nan_operand(rows: int, cols: int, options: dict, dtype: torch.dtype, device
                        if options["rht"] else None)
 
 
-def _copy_shapes(state: _LayerState, M: int, K: int, N: int) -> tuple[tuple[int, int], tuple[int, int]]:
+def _copy_shapes(fmt: _SavedFormat, M: int, K: int, N: int) -> tuple[tuple[int, int], tuple[int, int]]:
     """Logical shapes of the saved columnwise copies: Xᵀ [K, M'] (tokens padded to 16 for the RHT)
     and Wᵀ [K, N]."""
-    rht = state.recipe.quantize_options("input_columnwise")["rht"]
-    return (K, -(-M // TOKEN_PAD) * TOKEN_PAD if rht else M), (K, N)
+    return (K, -(-M // TOKEN_PAD) * TOKEN_PAD if fmt.x_rht else M), (K, N)
 
 
 def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
@@ -370,7 +404,7 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
     else:
         if bool(torch.isnan(x2d).any()) or bool(torch.isnan(weight).any()):
             # quantize refuses NaN; the layer answers with NaN outputs and gradients instead
-            (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+            (kx, mx), (kw, nw) = _copy_shapes(state.saved_format, M, K, N)
             recipe = state.recipe
             qxt = _nan_operand(kx, mx, recipe.quantize_options("input_columnwise"), x2d.dtype, x2d.device) \
                 if need_wgrad else None
@@ -386,7 +420,7 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
                                         (amax_out[1], qw, qwt, "weight_columnwise")):
             if buf is not None and q_col is not None:   # the pair's amaxes where its kernels put them
                 buf[0].copy_(q_row.amax)
-                buf[_column_slot(state, role)].copy_(q_col.amax)
+                buf[_column_slot(state.saved_format, role)].copy_(q_col.amax)
     return _matmul(state, qx, qw, x2d.dtype, bias, out_y), qxt, qwt   # Fprop
 
 
@@ -550,7 +584,7 @@ class _NVFP4LinearFunction(torch.autograd.Function):
 _PACK_ALIGN = 256   # bytes: each saved tensor starts at an aligned offset of the buffer
 
 
-def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
+def _saved_layout(fmt: _SavedFormat, M: int, K: int, N: int, need_dgrad: bool,
                   need_wgrad: bool) -> tuple[tuple[tuple[int, tuple, torch.dtype], ...], int]:
     """((byte offset, shape, dtype) of each of the seven saved tensors — Xᵀ codes, scales, amax, then
     Wᵀ's, then Wᵀ's BF16 block values stored as W's ``[N, K]`` (2D weight blocks only: the
@@ -561,17 +595,17 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
     the last ``_AMAX_BYTES``: the X pair's amax buffer (rowwise, columnwise) at its start and the W
     pair's 16 bytes further, where the forward's amax kernels accumulate (:func:`_fprop_packed`);
     each saved amax is the one of its pair's two that the columnwise copy uses."""
-    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+    (kx, mx), (kw, nw) = _copy_shapes(fmt, M, K, N)
     meta = []
-    for need, (rows, cols), role in ((need_wgrad and M > 0, (kx, mx), "input_columnwise"),
-                                     (need_dgrad and M > 0, (kw, nw), "weight_columnwise")):
+    for need, (rows, cols), two_d in ((need_wgrad and M > 0, (kx, mx), fmt.x_2d),
+                                      (need_dgrad and M > 0, (kw, nw), fmt.w_2d)):
         if need:
-            srows = -(-rows // 16) if state.recipe.quantize_options(role)["block"] == "2d" else rows
+            srows = -(-rows // 16) if two_d else rows
             meta += [((rows, -(-cols // 2)), torch.uint8), ((srows, -(-cols // 16)), torch.float8_e4m3fn),
                      ((), torch.float32)]
         else:
             meta += [((0,), torch.uint8), ((0,), torch.float8_e4m3fn), ((0,), torch.float32)]
-    two_d = need_dgrad and M > 0 and state.recipe.quantize_options("weight_columnwise")["block"] == "2d"
+    two_d = need_dgrad and M > 0 and fmt.w_2d
     meta.append(((nw, kw) if two_d else (0,), torch.bfloat16))
     layout, off = [None] * 7, 0
     for i in (0, 1, 3, 4, 6):
@@ -579,15 +613,16 @@ def _saved_layout(state: _LayerState, M: int, K: int, N: int, need_dgrad: bool,
         layout[i] = (off, shape, dtype)
         off = -(-(off + math.prod(shape) * dtype.itemsize) // _PACK_ALIGN) * _PACK_ALIGN
     for i, pair, role in ((2, 0, "input_columnwise"), (5, 16, "weight_columnwise")):
-        layout[i] = (off + pair + 4 * _column_slot(state, role), *meta[i])
+        layout[i] = (off + pair + 4 * _column_slot(fmt, role), *meta[i])
     return tuple(layout), off + _PACK_ALIGN   # the amaxes: the first _AMAX_BYTES of the last _PACK_ALIGN
 
 
-def _column_slot(state: _LayerState, role: str) -> int:
-    """Where a pair's amax buffer holds the columnwise copy's amax: ``[1]`` after an RHT (its own,
-    post-RHT amax), else ``[0]``, the rowwise one (the same value), as the kernels write it."""
-    opts = state.recipe.quantize_options(role)
-    return 1 if opts["rht"] and opts["block"] != "2d" else 0
+def _column_slot(fmt: _SavedFormat, role: str) -> int:
+    """Where a pair's amax buffer holds the columnwise copy's amax (``role``: ``"input_columnwise"``
+    or ``"weight_columnwise"``): ``[1]`` after an RHT (its own, post-RHT amax), else ``[0]``, the
+    rowwise one (the same value), as the kernels write it."""
+    rht, two_d = (fmt.x_rht, fmt.x_2d) if role == "input_columnwise" else (fmt.w_rht, fmt.w_2d)
+    return 1 if rht and not two_d else 0
 
 
 #: Bytes of the forward's two amax buffers, at the start of the saved buffer's last ``_PACK_ALIGN``
@@ -614,7 +649,8 @@ def _fprop_packed(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, b
     graphs carry. ``out``: (Y, buffer) to write into (the layer's graphs), or None for new ones; the
     buffer must be a previous result of this function for these shapes (its padding bytes zero)."""
     out_y, saved = out if out is not None else (None, None)
-    layout, size = _saved_layout(state, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad)
+    layout, size = _saved_layout(state.saved_format, x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad,
+                                 need_wgrad)
     if saved is None:
         saved = torch.empty(size, dtype=torch.uint8, device=x2d.device)
         spans = sorted((off, off + math.prod(shape) * dtype.itemsize) for off, shape, dtype in layout)
@@ -652,9 +688,9 @@ def _bprop_packed(state: _LayerState, dy: torch.Tensor, saved: torch.Tensor, K: 
     forward's flags, which say what it holds): (dX, dW, db), empty where not needed. ``out``:
     (dX, dW, db) to write into (the layer's graphs), or None for new ones."""
     M, N = dy.shape
-    layout, _ = _saved_layout(state, M, K, N, saved_dgrad, saved_wgrad)
+    layout, _ = _saved_layout(state.saved_format, M, K, N, saved_dgrad, saved_wgrad)
     parts = [_in_buffer(saved, off, shape, dtype) for off, shape, dtype in layout]
-    (kx, mx), (kw, nw) = _copy_shapes(state, M, K, N)
+    (kx, mx), (kw, nw) = _copy_shapes(state.saved_format, M, K, N)
     qxt = _unflat(state, *parts[:3], "input_columnwise", (kx, mx), x_dtype)
     qwt = _unflat(state, *parts[3:6], "weight_columnwise", (kw, nw), w_dtype,
                   values=parts[6].t() if parts[6].numel() else None)
@@ -745,14 +781,19 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
 
 @torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
 def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
-                     need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                     saved_code: int, need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     state = _STATES[key]
+    if saved_code != state.saved_code:   # a graph traced for another recipe (Dynamo guards against it)
+        raise RuntimeError(f"nvfp4lab::linear_fprop was traced for saved-buffer format {saved_code}, the layer "
+                           f"{state.name or key} now has {state.saved_code} ({state.saved_format})")
     return _run_fprop(state, _graph_stream(state, x2d), x2d, weight, bias, need_dgrad, need_wgrad)
 
 
 @_linear_fprop_op.register_fake
-def _(x2d, weight, bias, key, need_dgrad, need_wgrad):
-    _, size = _saved_layout(_STATES[key], x2d.shape[0], x2d.shape[1], weight.shape[0], need_dgrad, need_wgrad)
+def _(x2d, weight, bias, key, saved_code, need_dgrad, need_wgrad):
+    # from the format alone: the key may be a symbolic int here, which names no layer (_SavedFormat)
+    _, size = _saved_layout(_SavedFormat.from_code(saved_code), x2d.shape[0], x2d.shape[1], weight.shape[0],
+                            need_dgrad, need_wgrad)
     return x2d.new_empty((x2d.shape[0], weight.shape[0])), torch.empty(size, dtype=torch.uint8, device=x2d.device)
 
 
@@ -793,7 +834,7 @@ def _needed(grads, needs) -> tuple:
 
 
 def _fprop_setup_context(ctx, inputs, output):
-    x2d, weight, bias, key, need_dgrad, need_wgrad = inputs
+    x2d, weight, bias, key, _, need_dgrad, need_wgrad = inputs
     ctx.save_for_backward(output[1])
     ctx.key, ctx.K, ctx.saved_for = key, x2d.shape[1], (need_dgrad, need_wgrad)
     ctx.dtypes = (x2d.dtype, weight.dtype, bias.dtype if bias is not None else weight.dtype)
@@ -803,7 +844,7 @@ def _fprop_backward(ctx, gy, *_saved_grads):
     need_dgrad, need_wgrad, need_dbias = ctx.needs_input_grad[:3]
     grads = torch.ops.nvfp4lab.linear_bprop(gy, *ctx.saved_tensors, ctx.key, ctx.K, *ctx.dtypes, *ctx.saved_for,
                                             need_dgrad, need_wgrad, need_dbias)
-    return (*_needed(grads, (need_dgrad, need_wgrad, need_dbias)), None, None, None)
+    return (*_needed(grads, (need_dgrad, need_wgrad, need_dbias)), None, None, None, None)
 
 
 torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context)
@@ -937,7 +978,7 @@ class NVFP4Linear(nn.Linear):
         if torch.compiler.is_compiling():  # the custom ops: one opaque node for Dynamo, same numerics
             grad = torch.is_grad_enabled()
             y = torch.ops.nvfp4lab.linear_fprop(x.reshape(-1, self.in_features), self.weight, self.bias,
-                                                self._state.key, grad and x.requires_grad,
+                                                self._state.key, self._state.saved_code, grad and x.requires_grad,
                                                 grad and self.weight.requires_grad)[0]
             return y.reshape(*x.shape[:-1], self.out_features)
         return _NVFP4LinearFunction.apply(x, self.weight, self.bias, self._state, torch.is_grad_enabled())

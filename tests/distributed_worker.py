@@ -9,6 +9,7 @@ write their folders under ``OUT``. Scenarios:
   ``nvfp4-accum`` / ``nvfp4-ddp-accum``: 2 micro-batches per rank (FSDP2 / DDP);
 * ``sr`` (nvfp4, SR on, 6 steps, checkpoints at 3 and 6) and ``sr-resumed`` (from step 3);
 * ``nvfp4-cooldown``: BF16 for the last half of the steps;
+* ``nvfp4-4`` / ``nvfp4-4-compile``: 4 blocks (two of them NVFP4), eager / through ``torch.compile``;
 * ``nonfinite`` / ``nonfinite-skip``: rank 1 alone sees a NaN loss at step 1: every rank must stop
   there / skip that step;
 * the decision helpers, and the layer under FSDP2 seeing the full, unsharded weight.
@@ -86,6 +87,9 @@ def main(out: Path) -> None:
     train(config(out, "nvfp4-cooldown", cooldown_frac=0.5, **no_sr("nvfp4")))
     train(config(out, "nvfp4-accum", grad_accum_steps=2, **no_sr("nvfp4")))
     train(config(out, "nvfp4-ddp-accum", grad_accum_steps=2, parallel="ddp", **no_sr("nvfp4")))
+    # torch.compile under FSDP2 with two NVFP4 blocks: each block's forward is a frame of its own
+    train(config(out, "nvfp4-4", n_layer=4, **no_sr("nvfp4")))
+    train(config(out, "nvfp4-4-compile", n_layer=4, compile=True, **no_sr("nvfp4")))
     train(config(out, "sr", precision="nvfp4", steps=6, checkpoint_interval=3))
     train(config(out, "sr-resumed", precision="nvfp4", steps=6, checkpoint_interval=3,
                  resume=str(out / "sr" / "checkpoint-step00000003.dcp")))

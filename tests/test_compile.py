@@ -53,7 +53,7 @@ def test_custom_ops_registration_opcheck():
     torch.manual_seed(0)
     layer = NVFP4Linear(32, 48, recipe=NVFP4Recipe(disable_stochastic_rounding=True))
     x = torch.randn(32, 32, requires_grad=True)
-    args = (x, layer.weight, layer.bias, layer._state.key, True, True)
+    args = (x, layer.weight, layer.bias, layer._state.key, layer._state.saved_code, True, True)
     torch.library.opcheck(torch.ops.nvfp4lab.linear_fprop.default, args)
     y, saved = torch.ops.nvfp4lab.linear_fprop(*args)
     assert y.shape == (32, 48) and saved.dtype == torch.uint8

@@ -104,6 +104,21 @@ def test_two_ranks_reproduce_one_process_with_grad_accumulation(ranks, one, prec
 
 
 @pytest.mark.slow
+def test_compile_under_fsdp2_with_several_nvfp4_blocks(ranks):
+    """``--compile`` under FSDP2: each block's forward is a frame of its own, and Dynamo recompiles
+    it for the second NVFP4 block with the layer's key made a symbolic int. The custom op's fake
+    implementation sizes its saved buffer from the recipe's format instead of looking the layer up
+    by that key (which raised "unhashable type: non-nested SymInt"). The NVFP4 layers compute what
+    they compute eagerly; the rest is Inductor's code, whose FP32 sums may associate differently."""
+    eager, compiled = train_records(ranks / "nvfp4-4"), train_records(ranks / "nvfp4-4-compile")
+    run = json.loads((ranks / "nvfp4-4-compile" / "run.json").read_text())
+    assert run["status"] == "completed" and run["layers"]["nvfp4"] == 8
+    assert [r["step"] for r in compiled] == [r["step"] for r in eager]
+    for a, b in zip(eager, compiled):
+        assert abs(a["loss"] - b["loss"]) <= 1e-3 * a["loss"], (a, b)
+
+
+@pytest.mark.slow
 def test_ddp_and_activation_checkpointing_are_the_same_computation(ranks, one):
     assert_same_curve(ranks / "nvfp4-ddp", one / "nvfp4-accum")
     assert json.loads((ranks / "nvfp4-ddp" / "run.json").read_text())["parallel"] == "ddp"

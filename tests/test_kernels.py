@@ -627,7 +627,7 @@ def test_packed_forward_buffer_is_the_same_written_by_the_kernels_or_copied(fuse
     recipe = NVFP4Recipe(disable_stochastic_rounding=True, disable_2d_quantization=not two_d)
     _, fast = _fast_and_reference_layers(recipe)
     x = _x((32, 64), torch.bfloat16, seed=21)
-    args = (x, fast.weight, fast.bias, fast._state.key, True, True)
+    args = (x, fast.weight, fast.bias, fast._state.key, fast._state.saved_code, True, True)
     y, saved = torch.ops.nvfp4lab.linear_fprop(*args)
     assert len(fused_pair_calls) == 2   # X and W each through the pair kernels (the direct writes)
     with kernels.disabled():
