@@ -8,8 +8,8 @@ wrote on the same kind of machine, skipping runs it holds, since one device call
 For each model (the ``gpt2-small`` preset and a larger shape that fills more of the GPUs) and each
 precision (BF16, FP8 current scaling and NVFP4, emulated by nvfp4lab), ``nvfp4lab train`` runs under
 ``torchrun --nproc-per-node W`` for every ``W`` of ``--gpus``, with the same global batch and seed
-(FSDP2, or DDP with ``--parallel ddp``; eager steps, or compiled with ``--compile``). Recorded per run, from rank 0's ``run.json``:
-steady-state tokens/s (the global batch) and median step, peak memory (``torch.cuda.max_memory_allocated``)
+(FSDP2, or DDP with ``--parallel ddp``; eager steps, or compiled with ``--compile``). Recorded per
+run, from rank 0's ``run.json``: steady-state tokens/s (the global batch) and median step, peak memory (``torch.cuda.max_memory_allocated``)
 of every rank, the validation curve; derived: scaling efficiency against one GPU (tokens/s at W /
 (W x tokens/s at 1)), the difference of the final validation loss from the one-GPU run, and the
 memory planner's prediction (:func:`nvfp4lab.plan.plan`) against rank 0's measured peak. With

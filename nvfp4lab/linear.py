@@ -215,6 +215,7 @@ _STATES: "weakref.WeakValueDictionary[int, _LayerState]" = weakref.WeakValueDict
 #: Keys of layer states collected since the last layer-graph call (list.append: safe from a finalizer).
 _GONE: list[int] = []
 
+
 class _SavedFormat(NamedTuple):
     """What of a layer's recipe shapes the buffer its forward saves for the backward
     (:func:`_saved_layout`): whether Xᵀ's and Wᵀ's columnwise copies use 16x16 blocks, and whether
