@@ -134,11 +134,16 @@ PRECISIONS = {"gpt2-medium-shape": ("bf16", "nvfp4")}
 DEFAULT_PRECISIONS = ("bf16", "fp8", "nvfp4")
 
 
+def _compiled(row: dict[str, Any]) -> bool:
+    """Whether a run's steps went through ``torch.compile`` (rows without the key ran eagerly)."""
+    return bool(row.get("compile", False))
+
+
 def _seed_spread(runs: list[dict[str, Any]], model: str) -> dict[str, Any] | None:
     """The seed-to-seed spread of the final validation loss: BF16, one GPU, every eager seed run of ``model``."""
     losses = {r["seed"]: r["final_val_loss"] for r in runs
               if r["model"] == model and r["precision"] == "bf16" and r["world_size"] == 1 and "final_val_loss" in r
-              and not r.get("compile")}
+              and not _compiled(r)}
     if len(losses) < 2:
         return None
     return {"precision": "bf16", "world_size": 1, "seeds": sorted(losses),
@@ -224,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
             parallel = a.parallel if world > 1 else None
             if any(r["model"] == model and r["precision"] == precision and r["world_size"] == world
                    and r.get("seed", 0) == seed and r.get("parallel") == parallel
-                   and r.get("compile", False) == a.compile for r in result["runs"]):
+                   and _compiled(r) == a.compile for r in result["runs"]):
                 _log(f"skipped: {model} {precision} x{world} seed {seed} {parallel or ''}"
                      f"{' compiled' if a.compile else ''} is already in {out_path}")
                 continue
@@ -246,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
                            plan_error=(predicted - run["peak_memory_bytes"]) / run["peak_memory_bytes"])
                 base = next((r for r in result["runs"] if r["model"] == model and r["precision"] == precision
                              and r["world_size"] == 1 and r.get("seed", 0) == 0 and "tokens_per_s" in r
-                             and r.get("compile", False) == a.compile), None)
+                             and _compiled(r) == a.compile), None)
                 if seed == 0 and base is not None:
                     row["scaling_efficiency"] = row["tokens_per_s"] / (world * base["tokens_per_s"])
                     row["val_loss_minus_1gpu"] = row["final_val_loss"] - base["final_val_loss"]
