@@ -3,18 +3,16 @@
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from nvfp4lab import cli
 from nvfp4lab.model import GPT
+from child_env import child_env
 
-REPO = Path(__file__).resolve().parents[1]
 TINY = ["--preset", "ci", "--n-layer", "3", "--n-embd", "32", "--n-head", "2", "--seq-len", "32",
         "--batch-size", "4", "--warmup-steps", "1", "--eval-batches", "1", "--no-progress", "--no-plot"]
 
@@ -104,9 +102,8 @@ def test_compare_command(tmp_path, capsys):
 
 
 def test_python_dash_m(tmp_path):
-    env = {**os.environ, "PYTHONPATH": str(REPO)}
     p = subprocess.run([sys.executable, "-m", "nvfp4lab", "train", "--help"], capture_output=True,
-                       text=True, env=env, cwd=tmp_path, timeout=120)
+                       text=True, env=child_env(), cwd=tmp_path, timeout=120)
     assert p.returncode == 0 and "--precision" in p.stdout and "--cooldown-frac" in p.stdout
 
 

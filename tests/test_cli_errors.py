@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -22,10 +21,9 @@ import torch
 
 import nvfp4lab
 from nvfp4lab.training import PREVIOUS_CHECKPOINT_NAME, lr_at, load_checkpoint
+from child_env import child_env
 
-ROOT = Path(__file__).resolve().parents[1]
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-       "TQDM_DISABLE": "1", "MPLBACKEND": "Agg"}
+ENV = child_env(TQDM_DISABLE="1", MPLBACKEND="Agg")
 TINY = ["--preset", "ci", "--eval-interval", "2", "--eval-batches", "1", "--no-plot"]
 
 

@@ -19,7 +19,6 @@ and over 40 in book chapter 9b); ``LOSS_TOL = 2e-6`` (4 ulps of a loss near 5 in
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -34,10 +33,10 @@ from nvfp4lab.training import distributed as D
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(Path(__file__).parent))
+from child_env import child_env  # noqa: E402
 from distributed_worker import config, no_sr  # noqa: E402
 
-ENV = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-       "TQDM_DISABLE": "1", "MPLBACKEND": "Agg", "OMP_NUM_THREADS": "1"}
+ENV = child_env(TQDM_DISABLE="1", MPLBACKEND="Agg", OMP_NUM_THREADS="1")
 LOSS_TOL = 2e-6
 NORM_RTOL = 1e-6   # gradient norms: FP32 sums of squares in another order
 

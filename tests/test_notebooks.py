@@ -7,7 +7,6 @@ executed notebook is kept under pytest's tmp_path. Notebooks named ``*_gpu.ipynb
 outputs and are not executed here.
 """
 
-import os
 import sys
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ pm = pytest.importorskip("papermill")
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "book" / "_ext"))   # the book build's extensions: the one home of the kernel manager
 from notebook_kernel import SlicedPollChannel, SlicedPollKernelManager, install  # noqa: E402
+from child_env import pythonpath  # noqa: E402
 NOTEBOOKS = sorted(
     p
     for d in ("book", "labs")
@@ -40,7 +40,7 @@ PARAMS = {
 def test_notebook_runs(nb, tmp_path, monkeypatch):
     # The kernel inherits this environment: make the package importable without an install,
     # keep progress bars out of outputs, and plot off-screen.
-    monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
+    monkeypatch.setenv("PYTHONPATH", pythonpath())
     monkeypatch.setenv("TQDM_DISABLE", "1")
     monkeypatch.setenv("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     out = tmp_path / nb.name

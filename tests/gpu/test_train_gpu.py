@@ -5,7 +5,6 @@ Run on the GPU machine: ``pytest -m gpu tests/gpu/test_train_gpu.py``.
 
 import json
 import math
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -18,6 +17,7 @@ pytestmark = pytest.mark.gpu
 if not torch.cuda.is_available():
     pytest.skip("needs a CUDA GPU", allow_module_level=True)
 
+from child_env import child_env  # noqa: E402
 from nvfp4lab.training import TrainConfig, train  # noqa: E402
 
 
@@ -73,12 +73,6 @@ def test_graph_with_optimizer_skips_a_nonfinite_step_like_eager(tmp_path, monkey
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _child_env(**extra: str) -> dict:
-    """The environment of a child process that imports this checkout of nvfp4lab."""
-    return {**os.environ, **extra,
-            "PYTHONPATH": os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-
-
 def _timed_layer_graphs(tmp_path, precision: str) -> dict:
     """``RunResult.layer_graphs``, the NVFP4 layer count and the timed steps of a short eager run
     (the CI preset, 20 steps, 10 of them timed) trained in a process of its own."""
@@ -87,7 +81,7 @@ def _timed_layer_graphs(tmp_path, precision: str) -> dict:
             "timing_warmup_steps=10, device='cuda', progress=False, plot=False, eval_interval=20, cooldown_frac=0.0)); "
             "print(json.dumps(dict(g=r.layer_graphs, n=r.layers['nvfp4'], timed=r.timed_steps)))")
     done = subprocess.run([sys.executable, "-c", code, precision, str(tmp_path / precision)], cwd=ROOT,
-                          env=_child_env(), capture_output=True, text=True, timeout=600)
+                          env=child_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
@@ -125,7 +119,7 @@ def test_two_cpu_ranks_on_a_gpu_machine_stay_on_the_cpu(tmp_path):
                            "-m", "nvfp4lab", "train", "--precision", "nvfp4", "--preset", "ci", "--steps", "2",
                            "--batch-size", "4", "--eval-interval", "2", "--eval-batches", "1", "--no-plot",
                            "--device", "cpu", "--out", str(tmp_path / "run")],
-                          cwd=tmp_path, env=_child_env(OMP_NUM_THREADS="1", TQDM_DISABLE="1"), capture_output=True,
+                          cwd=tmp_path, env=child_env(OMP_NUM_THREADS="1", TQDM_DISABLE="1"), capture_output=True,
                           text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     assert json.loads((tmp_path / "run" / "run.json").read_text())["status"] == "completed"
