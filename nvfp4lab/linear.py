@@ -884,7 +884,11 @@ class NVFP4Linear(nn.Linear):
 
     Raises:
         ValueError: the input's last dimension is not ``in_features``.
-        TypeError: a non-floating input.
+        TypeError: a non-floating input; a ``recipe`` that is not an :class:`NVFP4Recipe` or a
+            ``generator`` that is neither a ``torch.Generator`` nor an :class:`SRStream` (also when
+            assigned to the ``recipe`` / ``generator`` attributes later).
+        NotImplementedError: a recipe with ``backward_override`` set (the layer's backward GEMMs
+            are always quantized; TE's backend emulates it), also when assigned later.
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, device=None,
@@ -894,14 +898,25 @@ class NVFP4Linear(nn.Linear):
         super().__init__(in_features, out_features, bias=bias, device=device, dtype=dtype)
         self._setup(recipe, generator, seed, quantizer, name)
 
-    def _setup(self, recipe, generator, seed, quantizer, name) -> None:
-        recipe = NVFP4Recipe() if recipe is None else recipe
+    @staticmethod
+    def _check_recipe(recipe: Any) -> None:
+        """What the constructor and the ``recipe`` setter accept: an :class:`NVFP4Recipe` this layer emulates."""
         if not isinstance(recipe, NVFP4Recipe):
             raise TypeError(f"recipe must be an NVFP4Recipe, got {type(recipe).__name__}")
         if recipe.backward_override is not None:
             raise NotImplementedError(
                 f"NVFP4Recipe.backward_override={recipe.backward_override!r} is not emulated by NVFP4Linear "
                 "(its backward GEMMs are always quantized); use backward_override=None, or TE's backend")
+
+    @staticmethod
+    def _check_generator(generator: Any) -> None:
+        if generator is not None and not isinstance(generator, (torch.Generator, SRStream)):
+            raise TypeError(f"generator must be a torch.Generator, an SRStream or None, got {type(generator).__name__}")
+
+    def _setup(self, recipe, generator, seed, quantizer, name) -> None:
+        recipe = NVFP4Recipe() if recipe is None else recipe
+        self._check_recipe(recipe)
+        self._check_generator(generator)
         self._state = _LayerState(recipe=recipe,
                                   quantizer=quantizer if quantizer is not None else NVFP4GemmQuantizer(),
                                   name=name, generator=generator, seed=seed)
@@ -936,8 +951,7 @@ class NVFP4Linear(nn.Linear):
 
     @recipe.setter
     def recipe(self, value: NVFP4Recipe) -> None:
-        if not isinstance(value, NVFP4Recipe):
-            raise TypeError(f"recipe must be an NVFP4Recipe, got {type(value).__name__}")
+        self._check_recipe(value)
         self._state.recipe = value
 
     @property
@@ -946,6 +960,7 @@ class NVFP4Linear(nn.Linear):
 
     @generator.setter
     def generator(self, value: "torch.Generator | SRStream | None") -> None:
+        self._check_generator(value)
         self._state.generator = value
 
     @property
@@ -1079,6 +1094,9 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
             (:meth:`NVFP4Recipe.check_num_blocks`), a ``block_recipe`` of another class, or (MX
             formats) a quantized layer whose feature sizes are not multiples of 32 (the message
             names the layer and the size).
+        TypeError: (NVFP4) a ``recipe`` that is not an :class:`NVFP4Recipe`, or a ``generator``
+            that is neither a ``torch.Generator`` nor an :class:`SRStream`.
+        NotImplementedError: (NVFP4) a recipe with ``backward_override`` set.
     """
     if precision not in PRECISIONS:
         raise ValueError(f"unknown precision {precision!r}; choose one of {PRECISIONS}")
@@ -1117,6 +1135,8 @@ def convert_model(model: nn.Module, precision: str, recipe: NVFP4Recipe | None =
         return model
 
     recipe = recipe if recipe is not None else NVFP4Recipe()
+    NVFP4Linear._check_recipe(recipe)
+    NVFP4Linear._check_generator(generator)
     recipe.check_num_blocks(num_blocks)
     for i, (name, layer) in enumerate(layers):
         if layer_is_quantized(name, precision, num_blocks, recipe, block_pattern=block_pattern):

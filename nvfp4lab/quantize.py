@@ -350,8 +350,8 @@ def _amax_argument(amax, device) -> torch.Tensor:
 
 
 def _check_amax_value(value: float) -> None:
-    if math.isnan(value) or value < 0:
-        raise ValueError(f"amax must be a non-negative number, got {value}")
+    if not math.isfinite(value) or value < 0:
+        raise ValueError(f"amax must be a finite, non-negative number, got {value}")
 
 
 def _capturing() -> bool:
@@ -396,6 +396,10 @@ def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht:
             seen = observed.reshape(1)
         given, *seen = torch.cat([amax_t.float().reshape(1), seen]).tolist()
         _check_amax_value(given)
+        seen_max = max(abs(v) for v in seen)
+        if given == 0 and seen_max > 0:   # NaN compares False: the NaN check below reports it
+            raise ValueError(f"amax=0 was given but the input holds non-zero values (max |x| = {seen_max:g}): "
+                             "with a zero amax every element decodes to 0; pass the input's amax or leave amax out")
         has_nan, has_inf = any(math.isnan(v) for v in seen), any(math.isinf(v) for v in seen)
     else:
         a = read() if read is not None else float(amax_t.detach())
@@ -552,8 +556,9 @@ def quantize(
         ValueError: NaN in ``x`` (it would show as a NaN amax; NVFP4 cannot encode
             it and TE's reference would silently emit code 0), a 0-d input,
             ``block="2d"`` on a 1-D tensor, an unknown ``block`` / ``rounding``,
-            ``rht=True`` with ``K % 16 != 0``, a negative or NaN ``amax`` (a tensor
-            ``amax`` is read only when ``check``, after the quantization ran: an SR
+            ``rht=True`` with ``K % 16 != 0``, a negative, NaN or infinite ``amax``, or
+            ``amax=0`` for an input with non-zero values (every element would decode to 0;
+            a tensor ``amax`` is read only when ``check``, after the quantization ran: an SR
             generator has then advanced).
         TypeError: ``amax`` is neither a number nor a tensor (a tensor of more than one
             element raises ValueError).

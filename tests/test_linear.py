@@ -347,3 +347,26 @@ def test_one_layer_selection_rule():
         assert got == {name: layer_is_quantized(name, precision, cfg.n_layer, recipe) for name in got}
         assert quantized_blocks(precision, cfg.n_layer, recipe) == [
             layer_is_quantized(f"blocks.{i}.attn.qkv", precision, cfg.n_layer, recipe) for i in range(cfg.n_layer)]
+
+
+def test_recipe_and_generator_are_checked_on_assignment_too():
+    """The constructor's checks hold for later assignments and for convert_model: nothing that the
+    layer would not emulate, and no generator it cannot draw from, gets in."""
+    with pytest.raises(NotImplementedError, match="backward_override"):
+        NVFP4Linear(32, 16, recipe=NVFP4Recipe(backward_override="high_precision"))
+    layer = NVFP4Linear(32, 16)
+    with pytest.raises(NotImplementedError, match="backward_override"):
+        layer.recipe = NVFP4Recipe(backward_override="high_precision")
+    with pytest.raises(TypeError, match="recipe must be an NVFP4Recipe"):
+        layer.recipe = {"disable_rht": True}
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        NVFP4Linear(32, 16, generator=123)
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        layer.generator = 123
+    assert layer.recipe == NVFP4Recipe() and layer.generator is None   # the refused values left no trace
+    layer.generator = torch.Generator().manual_seed(1)
+    model = GPT(get_preset("ci"))
+    with pytest.raises(TypeError, match="recipe must be an NVFP4Recipe"):
+        convert_model(model, "nvfp4", recipe={"disable_rht": True})
+    with pytest.raises(TypeError, match="generator must be a torch.Generator"):
+        convert_model(model, "nvfp4", generator=123)

@@ -128,14 +128,29 @@ def test_amax_override():
     assert not torch.equal(q.scale.view(torch.uint8), quantize(x).scale.view(torch.uint8))
     with pytest.raises(ValueError, match="non-negative"):
         quantize(x, amax=-1.0)
+    with pytest.raises(ValueError, match="finite"):
+        quantize(x, amax=float("inf"))
 
 
-@pytest.mark.parametrize("bad", [-1.0, float("nan")])
+@pytest.mark.parametrize("amax", [0.0, torch.tensor(0.0)])
+def test_zero_amax_for_a_non_zero_input_raises(amax):
+    """A zero amax decodes every element to 0: given with non-zero values it is an error; with an
+    all-zero input it is the input's own amax and quantizes to zeros."""
+    x = torch.randn(16, 64)
+    with pytest.raises(ValueError, match="amax=0 was given but the input holds non-zero values"):
+        quantize(x, amax=amax)
+    with pytest.raises(ValueError, match="amax=0 was given"):
+        quantize(x, amax=amax, rht=True)
+    z = quantize(torch.zeros(16, 64), amax=amax)
+    assert torch.equal(z.dequantize(), torch.zeros(16, 64))
+
+
+@pytest.mark.parametrize("bad", [-1.0, float("nan"), float("inf")])
 def test_given_amax_tensor_is_checked_with_the_input(bad):
     """A tensor amax is validated by the check's one host read (after the kernels), not before;
     check=False reads neither it nor x. A NaN in x still raises with a valid given amax."""
     x = torch.randn(16, 64)
-    with pytest.raises(ValueError, match="amax must be a non-negative number"):
+    with pytest.raises(ValueError, match="amax must be a finite, non-negative number"):
         quantize(x, amax=torch.tensor(bad))
     quantize(x, amax=torch.tensor(bad), check=False)   # unchecked: no read, no error
     xn = x.clone()
