@@ -129,6 +129,14 @@ def check_float_tensor(x: torch.Tensor, what: str = "input") -> None:
         )
 
 
+def check_float_dtype(dtype: torch.dtype, what: str = "dtype") -> None:
+    """Raise ``TypeError`` unless ``dtype`` is float16, bfloat16, float32 or float64: the dtypes a
+    decoded NVFP4 value or a GEMM result is returned in (an integer or FP8 dtype would silently
+    truncate or round it again)."""
+    if dtype not in _FLOAT_DTYPES:
+        raise TypeError(f"{what} must be one of {', '.join(str(d) for d in _FLOAT_DTYPES)}, got {dtype}")
+
+
 def check_no_nan(x: torch.Tensor, what: str) -> None:
     """Raise ``ValueError`` naming ``what`` if ``x`` holds a NaN (NVFP4 cannot encode it).
 

@@ -54,6 +54,7 @@ from .formats import (
     GEMM_ALPHA_DENOMINATOR,
     GLOBAL_SCALE_NUMERATOR,
     rne_codes,
+    check_float_dtype,
     check_float_tensor,
     check_no_nan,
     decode_e2m1,
@@ -275,7 +276,11 @@ class NVFP4Tensor:
         permitting) and FP32: the operand a real NVFP4 tensor core multiplies. BF16 comes from the Triton kernels where
         they run (or from :attr:`values_bf16` when the quantize kernel wrote it), bit-identical.
         A copy without codes (:attr:`data` None) converts its BF16 values (exact in any of these).
+
+        Raises:
+            TypeError: ``dtype`` is not float16, bfloat16, float32 or float64.
         """
+        check_float_dtype(dtype, "block_values dtype")
         if dtype == torch.bfloat16:
             if self.values_bf16 is not None:
                 return self.values_bf16
@@ -302,9 +307,11 @@ class NVFP4Tensor:
 
         Raises:
             ValueError: the copy holds no codes (:attr:`data` None).
+            TypeError: ``dtype`` is not float16, bfloat16, float32 or float64.
         """
         self._require_codes("dequantize()")
         dtype = dtype or torch.float32
+        check_float_dtype(dtype, "dequantize dtype")
         undo = self.rht and undo_rht
         mask = kernels.sign_mask(self.rht_signs) if undo else None
         plain = self.e4m3_max == 448 and not self.row_scaled  # what the Triton decode kernel covers
@@ -976,7 +983,14 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
         ValueError: ``K`` differs, or one operand is RHT-rotated and the other is
             not (or with other signs): the rotation would not cancel; ``bias`` is not
             ``[N]``; ``out`` is not a contiguous ``[M, N]`` tensor of ``out_dtype``.
+        TypeError: an operand is not an :class:`NVFP4Tensor` (quantize it first), or
+            ``out_dtype`` is not float16, bfloat16, float32 or float64.
     """
+    for name, t in (("a", a), ("b", b)):
+        if not isinstance(t, NVFP4Tensor):
+            raise TypeError(f"nvfp4_matmul operand {name} must be an NVFP4Tensor (quantize it first), "
+                            f"got {type(t).__name__}")
+    check_float_dtype(out_dtype, "nvfp4_matmul out_dtype")
     _check_bias(bias, b.rows)
     if out is not None and (out.shape != (a.rows, b.rows) or out.dtype != out_dtype or not out.is_contiguous()):
         raise ValueError(f"out must be a contiguous [{a.rows}, {b.rows}] tensor of {out_dtype}, got {out.dtype} "

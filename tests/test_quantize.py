@@ -397,3 +397,21 @@ def test_assert_nvfp4_equal_names_the_first_difference():
         assert_nvfp4_equal(quantize(x, block="2d"), q)
     with pytest.raises(AssertionError, match="got None"):
         assert_nvfp4_equal(None, q)
+
+
+def test_decode_and_gemm_refuse_non_float_dtypes_and_plain_tensors():
+    """An integer or FP8 output dtype would silently truncate the decoded values; a plain tensor
+    is not an NVFP4 operand."""
+    x = torch.randn(16, 64)
+    q = quantize(x)
+    for bad in (torch.int8, torch.int32, torch.float8_e4m3fn):
+        with pytest.raises(TypeError, match="dequantize dtype must be one of"):
+            q.dequantize(bad)
+        with pytest.raises(TypeError, match="block_values dtype must be one of"):
+            q.block_values(bad)
+        with pytest.raises(TypeError, match="out_dtype must be one of"):
+            nvfp4_matmul(q, q, out_dtype=bad)
+    with pytest.raises(TypeError, match="operand b must be an NVFP4Tensor"):
+        nvfp4_matmul(q, x)
+    assert q.dequantize(torch.float64).dtype == torch.float64   # every float dtype still decodes
+    assert torch.equal(q.dequantize(torch.float64), q.dequantize().double())
