@@ -67,6 +67,13 @@ def test_config_resolution_and_validation():
                 dict(n_embd=30, n_head=4)):
         with pytest.raises(ValueError):
             TrainConfig(**bad).resolved()
+    # non-finite or out-of-range optimizer settings (a NaN grad_clip would switch clipping off unnoticed)
+    for bad, field in ((dict(lr=math.inf), "lr"), (dict(lr=math.nan), "lr"), (dict(beta1=1.5), "beta1"),
+                       (dict(beta2=math.nan), "beta2"), (dict(grad_clip=math.nan), "grad_clip"),
+                       (dict(weight_decay=math.inf), "weight_decay")):
+        with pytest.raises(ValueError, match=f"TrainConfig.{field} must be"):
+            TrainConfig(**bad).resolved()
+    assert TrainConfig(grad_clip=0.0, weight_decay=0.0, beta1=0.0).resolved().grad_clip == 0.0   # 0: clipping off
     # the recipe's BF16 blocks are checked against the resolved depth (ci: 3 blocks) before anything runs
     with pytest.raises(ValueError, match="keeps all 3 blocks in BF16"):
         TrainConfig(preset="ci", recipe=NVFP4Recipe(bf16_first_layers=1, bf16_last_layers=2)).resolved()

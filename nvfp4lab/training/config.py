@@ -210,8 +210,16 @@ class TrainConfig:
             v = getattr(self, k)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{k} must be an int >= 0, got {v!r}")
-        if not (isinstance(self.lr, (int, float)) and self.lr > 0):
-            raise ValueError(f"TrainConfig.lr must be > 0, got {self.lr!r}")
+        if not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"TrainConfig.lr must be a finite number > 0, got {self.lr!r}")
+        for k in ("beta1", "beta2"):   # AdamW's betas
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and 0.0 <= v < 1.0):
+                raise ValueError(f"TrainConfig.{k} must be in [0, 1), got {v!r}")
+        for k in ("grad_clip", "weight_decay"):   # NaN compares False everywhere: it would switch clipping off
+            v = getattr(self, k)
+            if not (isinstance(v, (int, float)) and math.isfinite(v)):
+                raise ValueError(f"TrainConfig.{k} must be a finite number, got {v!r}")
         if not 0.0 <= self.min_lr_frac <= 1.0:
             raise ValueError(f"TrainConfig.min_lr_frac must be in [0, 1], got {self.min_lr_frac}")
         if isinstance(self.health_interval, bool) or not isinstance(self.health_interval, int) or self.health_interval < 0:
