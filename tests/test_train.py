@@ -254,8 +254,13 @@ def test_compare_in_two_processes_gives_the_bits_of_one_process(tmp_path):
     assert one.plot_path is two.plot_path is None and not list(tmp_path.rglob("*.png"))   # plot=False: no PNG
     with pytest.raises(ValueError, match="jobs must be a positive int"):
         compare(cfg, variants, jobs=0)
-    with pytest.raises(ValueError, match="threads must be a positive int"):   # a worker's error reaches the caller
+    with pytest.raises(ValueError, match="threads must be a positive int"):   # refused before anything trains
         compare(cfg, ["bf16", ("bad", {"threads": -1})], out=tmp_path / "bad", jobs=2)
+    assert not (tmp_path / "bad").exists()
+    with pytest.raises(FileNotFoundError, match="does not exist"):   # a worker's error reaches the caller
+        compare(cfg, ["bf16", ("bad", {"text": str(tmp_path / "missing.txt")})], out=tmp_path / "bad2", jobs=2)
+    with pytest.raises(ValueError, match="baseline 'bf61' is not one of the variants"):
+        compare(cfg, ["bf16", "nvfp4"], out=tmp_path / "typo", baseline="bf61")
 
 
 def test_compare_refuses_jobs_under_several_ranks(tmp_path, monkeypatch):

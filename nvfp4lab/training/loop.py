@@ -664,7 +664,8 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     ``variants``: names from :data:`VARIANTS` or ``(name, overrides)`` pairs. Each run goes to
     ``<out>/<name>/``. A run that stops on a non-finite loss is recorded (status
     ``stopped_nonfinite``) and the comparison goes on. ``baseline`` names the variant the
-    relative gaps are computed against (None: no gaps). Under ``torchrun`` every variant trains on
+    relative gaps are computed against (None: no gaps; the default, ``"bf16"``, gives none when no
+    variant has that name, any other name must be one of the variants). Under ``torchrun`` every variant trains on
     all ranks in one process group, and rank 0 writes the table, the JSON and the plot.
 
     ``jobs``: how many variants train at once, each in a process of its own (started with
@@ -678,7 +679,9 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     a worker are dropped, those running finish (their folders are complete), and the error is raised.
 
     Raises:
-        ValueError: an unknown or duplicate variant name, ``jobs`` < 1, or ``jobs`` > 1 under
+        ValueError: an unknown or duplicate variant name, a variant whose config does not
+            resolve (:meth:`TrainConfig.resolved`; raised before any variant trains), a ``baseline``
+            other than ``"bf16"`` that names no variant, ``jobs`` < 1, or ``jobs`` > 1 under
             ``torchrun`` with several ranks (each variant already runs on every rank there).
     """
     if not isinstance(jobs, int) or jobs < 1:
@@ -692,10 +695,14 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
         else:
             name, over = v
             c = base.with_variant(over, name=name)
-        named.append((name, dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)))
+        c = dataclasses.replace(c, out=str(out_dir / name), name=name, resume=None)
+        c.resolved()   # every variant's ValueError before the first one trains
+        named.append((name, c))
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate variant names in {names}")
+    if baseline is not None and baseline != "bf16" and baseline not in names:
+        raise ValueError(f"compare: baseline {baseline!r} is not one of the variants {names}")
     runs: dict[str, RunResult] = {}
     ctx = distributed.setup(config.device)   # one process group for all the runs (each train uses it)
     try:
