@@ -596,5 +596,5 @@ def test_the_check_of_a_given_amax_reads_once_and_still_raises_on_nan(kw):
             quantize(xn, amax=a, **kw, **gen())
         with pytest.warns(RuntimeWarning, match="Inf"):
             quantize(xi, amax=a, **kw, **gen())
-        with pytest.raises(ValueError, match="amax must be a non-negative number"):
+        with pytest.raises(ValueError, match="amax must be a finite, non-negative number"):
             quantize(x, amax=torch.tensor(-1.0, device=DEV), **kw, **gen())
