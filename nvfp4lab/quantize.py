@@ -403,8 +403,7 @@ def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht:
             seen = observed.reshape(1)
         given, *seen = torch.cat([amax_t.float().reshape(1), seen]).tolist()
         _check_amax_value(given)
-        seen_max = max(abs(v) for v in seen)
-        if given == 0 and seen_max > 0:   # NaN compares False: the NaN check below reports it
+        if given == 0 and (seen_max := max(abs(v) for v in seen)) > 0:   # NaN compares False: reported below
             raise ValueError(f"amax=0 was given but the input holds non-zero values (max |x| = {seen_max:g}): "
                              "with a zero amax every element decodes to 0; pass the input's amax or leave amax out")
         has_nan, has_inf = any(math.isnan(v) for v in seen), any(math.isinf(v) for v in seen)
