@@ -210,6 +210,55 @@ class NVFP4Tensor:
     e4m3_max: int = 448
     row_scaled: bool = False
 
+    def __post_init__(self):
+        """Check the structure of the fields (types, dtypes, shapes; never their values, so no
+        host read): a tensor built by hand with, say, a scale of the wrong shape would otherwise
+        decode truncated or broadcast without a word.
+
+        Raises:
+            ValueError: an unknown ``block``/``rounding``/``e4m3_max``; an empty ``shape``;
+                ``data`` without ``scale`` or the reverse; neither codes nor ``values_bf16``;
+                ``data``, ``scale``, ``values_bf16``, ``amax`` or ``rht_signs`` of the wrong shape.
+            TypeError: a field of the wrong type or dtype (``data`` uint8, ``scale``
+                float8_e4m3fn, ``values_bf16`` bfloat16, ``amax`` float32, ``dtype`` a float dtype).
+        """
+        if self.block not in ("1d", "2d"):
+            raise ValueError(f"NVFP4Tensor: block must be '1d' or '2d', got {self.block!r}")
+        if self.rounding not in ("nearest", "stochastic"):
+            raise ValueError(f"NVFP4Tensor: rounding must be 'nearest' or 'stochastic', got {self.rounding!r}")
+        if self.e4m3_max not in (448, 256):
+            raise ValueError(f"NVFP4Tensor: e4m3_max must be 448 or 256, got {self.e4m3_max!r}")
+        if not isinstance(self.dtype, torch.dtype) or not self.dtype.is_floating_point:
+            raise TypeError(f"NVFP4Tensor: dtype must be a floating-point torch.dtype, got {self.dtype!r}")
+        if not isinstance(self.shape, torch.Size):
+            object.__setattr__(self, "shape", torch.Size(self.shape))
+        if len(self.shape) == 0:
+            raise ValueError("NVFP4Tensor: shape must have at least one dimension (the quantized one)")
+        M, K = self.rows, self.cols
+        if (self.data is None) != (self.scale is None):
+            raise ValueError("NVFP4Tensor: data (the codes) and scale come together; got one without the other")
+        if self.data is None and self.values_bf16 is None:
+            raise ValueError("NVFP4Tensor: needs the codes and scales (data, scale) or the block values (values_bf16)")
+        if self.data is not None:
+            self._check_field("data", self.data, torch.uint8, (M, -(-K // 2)))
+            self._check_field("scale", self.scale, torch.float8_e4m3fn,
+                              (-(-M // BLOCK_SIZE) if self.block == "2d" else M, -(-K // BLOCK_SIZE)))
+        if self.values_bf16 is not None:
+            self._check_field("values_bf16", self.values_bf16, torch.bfloat16, (M, K))
+        self._check_field("amax", self.amax, torch.float32, (M,) if self.row_scaled else ())
+        if self.rht_signs is not None and (not isinstance(self.rht_signs, torch.Tensor)
+                                           or self.rht_signs.numel() != RHT_SIZE):
+            raise ValueError(f"NVFP4Tensor: rht_signs must be a tensor of {RHT_SIZE} signs, got {self.rht_signs!r}")
+
+    def _check_field(self, name: str, t, dtype: torch.dtype, shape: tuple) -> None:
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"NVFP4Tensor: {name} must be a tensor, got {type(t).__name__}")
+        if t.dtype != dtype:
+            raise TypeError(f"NVFP4Tensor: {name} must be {dtype}, got {t.dtype}")
+        if t.shape != shape:
+            raise ValueError(f"NVFP4Tensor: {name} must have shape {list(shape)} for shape={list(self.shape)}"
+                             f" and block={self.block!r}, got {list(t.shape)}")
+
     # ---- geometry -------------------------------------------------------
     @property
     def rows(self) -> int:
@@ -428,6 +477,8 @@ def _check_values(x2: torch.Tensor, amax_t: torch.Tensor, amax_given: bool, rht:
 
 def _check_options(x: torch.Tensor, block: str, rounding: str, rht: bool) -> None:
     check_float_tensor(x)
+    if not isinstance(rht, bool):
+        raise TypeError(f"rht must be a bool, got {rht!r}")
     if block not in ("1d", "2d"):
         raise ValueError(f"block must be '1d' (1x16 blocks) or '2d' (16x16 tiles), got {block!r}")
     if rounding not in ("nearest", "stochastic"):
@@ -565,9 +616,13 @@ def quantize(
             ``rht=True`` with ``K % 16 != 0``, a negative, NaN or infinite ``amax``, or
             ``amax=0`` for an input with non-zero values (every element would decode to 0;
             a tensor ``amax`` is read only when ``check``, after the quantization ran: an SR
-            generator has then advanced).
+            generator has then advanced); ``rht_signs`` that are not 16 values of ±1; the 4over6 and
+            row-scaled rules of TE 2.20: ``four_over_six`` or ``row_scaled`` that is not a bool,
+            with ``rht=True`` or with ``rounding="stochastic"``, ``e4m3_max`` other than 448 or
+            256 (256 only with ``four_over_six``), ``err_mode`` other than ``"MAE"``/``"MSE"``,
+            ``row_scaled`` with ``block="2d"`` or with ``amax=``.
         TypeError: ``amax`` is neither a number nor a tensor (a tensor of more than one
-            element raises ValueError).
+            element raises ValueError); ``rht`` or ``check`` is not a bool.
 
     Warns:
         RuntimeWarning: ``x`` holds ±Inf (once per calling line, Python's default filter).
@@ -589,6 +644,8 @@ def quantize(
     """
     _check_options(x, block, rounding, rht)
     _check_nvfp4_options(block, rht, rounding, four_over_six, e4m3_max, err_mode, row_scaled, amax)
+    if not isinstance(check, bool):
+        raise TypeError(f"check must be a bool, got {check!r}")
     signs = _signs(rht_signs) if rht else None   # only the RHT uses them
     shape = x.shape
     K = shape[-1]

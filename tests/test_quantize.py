@@ -1,5 +1,6 @@
 """NVFP4 quantization: known answers from the spec, edge cases, shapes, errors, SR statistics."""
 
+import dataclasses
 import math
 
 import pytest
@@ -10,7 +11,7 @@ from hypothesis import strategies as st
 from nvfp4lab import fake_quantize, nvfp4_matmul, quantize
 from nvfp4lab.formats import decode_e2m1, to_e4m3
 from nvfp4lab.hadamard import random_hadamard_transform
-from nvfp4lab.quantize import block_decode_scales, global_decode_scale, global_encode_scale
+from nvfp4lab.quantize import NVFP4Tensor, block_decode_scales, global_decode_scale, global_encode_scale
 
 F32 = torch.float32
 
@@ -415,3 +416,47 @@ def test_decode_and_gemm_refuse_non_float_dtypes_and_plain_tensors():
         nvfp4_matmul(q, x)
     assert q.dequantize(torch.float64).dtype == torch.float64   # every float dtype still decodes
     assert torch.equal(q.dequantize(torch.float64), q.dequantize().double())
+
+
+def test_non_bool_flags_are_refused():
+    x = torch.randn(4, 32)
+    with pytest.raises(TypeError, match="rht must be a bool"):
+        quantize(x, rht=1)
+    with pytest.raises(TypeError, match="check must be a bool"):
+        quantize(x, check="no")
+
+
+def _fields(q):
+    return {f.name: getattr(q, f.name) for f in dataclasses.fields(q)}
+
+
+@pytest.mark.parametrize("change, err, match", [
+    (lambda f: dict(f, block="3d"), ValueError, "block must be"),
+    (lambda f: dict(f, rounding="up"), ValueError, "rounding must be"),
+    (lambda f: dict(f, e4m3_max=300), ValueError, "e4m3_max"),
+    (lambda f: dict(f, dtype=torch.int8), TypeError, "dtype must be a floating-point"),
+    (lambda f: dict(f, shape=()), ValueError, "at least one dimension"),
+    (lambda f: dict(f, scale=None), ValueError, "come together"),
+    (lambda f: dict(f, data=None, scale=None), ValueError, "values_bf16"),
+    (lambda f: dict(f, data=f["data"][:, :-1]), ValueError, r"data must have shape \[48, 40\]"),
+    (lambda f: dict(f, data=f["data"].view(torch.int8)), TypeError, "data must be torch.uint8"),
+    (lambda f: dict(f, scale=f["scale"][:-1]), ValueError, r"scale must have shape \[48, 5\]"),
+    (lambda f: dict(f, scale=f["scale"].float()), TypeError, "scale must be torch.float8_e4m3fn"),
+    (lambda f: dict(f, block="2d"), ValueError, r"scale must have shape \[3, 5\]"),
+    (lambda f: dict(f, amax=f["amax"].reshape(1)), ValueError, r"amax must have shape \[\]"),
+    (lambda f: dict(f, amax=f["amax"].double()), TypeError, "amax must be torch.float32"),
+    (lambda f: dict(f, row_scaled=True), ValueError, r"amax must have shape \[48\]"),
+    (lambda f: dict(f, values_bf16=torch.zeros(48, 79, dtype=torch.bfloat16)), ValueError, "values_bf16 must have"),
+    (lambda f: dict(f, values_bf16=torch.zeros(48, 80)), TypeError, "values_bf16 must be torch.bfloat16"),
+    (lambda f: dict(f, rht_signs=torch.ones(8)), ValueError, "16 signs"),
+])
+def test_nvfp4_tensor_built_by_hand_is_checked(change, err, match):
+    """A hand-built NVFP4Tensor with, e.g., a scale of the wrong shape decoded truncated or
+    broadcast without a word; its fields' structure is now checked (never their values)."""
+    q = quantize(torch.randn(6, 8, 80))
+    NVFP4Tensor(**_fields(q))   # the fields quantize made pass
+    with pytest.raises(err, match=match):
+        NVFP4Tensor(**change(_fields(q)))
+    values = q.block_values(torch.bfloat16).reshape(48, 80)   # a GEMM operand holding its values alone
+    v = NVFP4Tensor(**dict(_fields(q), data=None, scale=None, values_bf16=values))
+    assert torch.equal(v.block_values(), q.block_values())
