@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from typing import Literal
 
 import torch
@@ -137,7 +138,10 @@ class FP4BlockTensor:
         """Each block's full decode factor (block scale × per-tensor factor), float32 ``[M, nb]``."""
         if self.amax is None:
             return self.scales
-        return (self.scales * self.amax) * torch.reciprocal(torch.tensor(GLOBAL_SCALE_NUMERATOR, device=self.scales.device))
+        scaled = (self.scales * self.amax) * torch.reciprocal(torch.tensor(GLOBAL_SCALE_NUMERATOR, device=self.scales.device))
+        # an infinite amax (the input held ±Inf) made S_enc 1: the block scale alone decodes, as
+        # NVFP4Tensor.dequantize and TE's dequantize_nvfp4.cuh
+        return torch.where(torch.isfinite(self.amax), scaled, self.scales)
 
     def dequantize(self, dtype: torch.dtype | None = None, *, undo_rht: bool = True) -> torch.Tensor:
         """Decode to the logical shape: ``code × block decode factor`` in float32, then cast.
@@ -205,7 +209,8 @@ def quantize_fp4(
         its codes, scales and dequantized values equal :func:`nvfp4lab.quantize`'s.
 
     Raises:
-        TypeError: non-float ``x``. ValueError: NaN in ``x``, a 0-d or empty input,
+        TypeError: non-float ``x``. ValueError: NaN in ``x``, ±Inf with ``scale_format="fp32"`` or
+            with ``"e8m0"`` and ``rht`` (±Inf otherwise warns, RuntimeWarning), a 0-d or empty input,
         ``block_size < 1``, an unknown ``scale_format`` / ``scale_rule`` /
         ``rounding``, ``tensor_scale=True`` with a non-E4M3 format, ``rht`` with
         ``K % 16 != 0``.
@@ -225,8 +230,22 @@ def quantize_fp4(
         raise ValueError(f"quantize_fp4 needs a non-empty tensor with at least one dimension, got shape {tuple(x.shape)}")
     if block_size is not None and (not isinstance(block_size, int) or block_size < 1):
         raise ValueError(f"block_size must be a positive integer or None (per-tensor), got {block_size!r}")
-    if torch.isnan(x).any():
-        raise ValueError("quantize_fp4 input contains NaN; E2M1 has no NaN encoding")
+    if not torch.isfinite(x).all():
+        if torch.isnan(x).any():
+            raise ValueError("quantize_fp4 input contains NaN; E2M1 has no NaN encoding")
+        if scale_format == "fp32":
+            raise ValueError("quantize_fp4 input contains ±Inf: scale_format='fp32' would store the scale "
+                             "block_amax / 6 = inf and decode the block to NaN; remove the Inf")
+        if scale_format == "e8m0" and rht:
+            raise ValueError("quantize_fp4 input contains ±Inf: the RHT spreads it over its 16 elements, "
+                             "which decode to ±inf with an E8M0 scale, and the inverse RHT to NaN; remove the Inf")
+        warnings.warn(
+            "quantize_fp4 input contains ±Inf: the other elements of its block decode to 0 and the Inf to "
+            "its block's largest value (±6 × the saturated scale; inf where that overflows float32)"
+            + ("; the per-tensor amax is inf, so the global encode scale falls back to 1 and the tensor "
+               "loses its per-tensor range, as nvfp4lab.quantize and TE's reference" if tensor_scale
+               and scale_format == "e4m3" else "") + ". Remove the Inf.",
+            RuntimeWarning, stacklevel=2)
     K = x.shape[-1]
     if rht and K % RHT_SIZE:
         raise ValueError(f"rht=True needs the last dimension to be a multiple of {RHT_SIZE}, got {K}")
@@ -323,15 +342,17 @@ def synthetic_tensor(
       (tokens) whose magnitudes span orders of magnitude, a stress test for scaling.
 
     Raises:
-        ValueError: unknown ``kind``, non-positive sizes, ``outlier_scale <= 0`` or
+        ValueError: unknown ``kind``, non-positive sizes, ``outlier_scale`` not a finite
+        positive number (an infinite one makes the outlier channels Inf), or
         ``outlier_fraction`` outside ``[0, 1]``.
     """
     if kind not in SYNTHETIC_KINDS:
         raise ValueError(f"kind must be one of {SYNTHETIC_KINDS}, got {kind!r}")
     if rows < 1 or cols < 1:
         raise ValueError(f"rows and cols must be positive, got {rows}x{cols}")
-    if not outlier_scale > 0 or not 0 <= outlier_fraction <= 1:
-        raise ValueError("outlier_scale must be > 0 and outlier_fraction in [0, 1]")
+    if not 0 < outlier_scale < math.inf or not 0 <= outlier_fraction <= 1:
+        raise ValueError(f"outlier_scale must be finite and > 0 and outlier_fraction in [0, 1], got "
+                         f"{outlier_scale!r} and {outlier_fraction!r}")
     g = generator
 
     def randn(*shape):

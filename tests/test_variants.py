@@ -262,3 +262,47 @@ def test_synthetic_kurtosis_ordering():
 def test_synthetic_bad_kind():
     with pytest.raises(ValueError, match="kind"):
         synthetic_tensor("uniform", 4, 4)
+
+
+@pytest.mark.parametrize("scale", [math.inf, math.nan, 0.0, -2.0])
+def test_synthetic_outlier_scale_must_be_finite_and_positive(scale):
+    # an infinite scale made the outlier channels Inf without a word
+    with pytest.raises(ValueError, match="outlier_scale must be finite"):
+        synthetic_tensor("outlier_channels", 4, 64, outlier_scale=scale)
+
+
+@pytest.mark.parametrize("rht", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_an_inf_input_warns_and_two_level_e4m3_still_equals_quantize(rht, dtype):
+    # quantize keeps TE's numerics for ±Inf (S_enc falls back to 1); quantize_fp4's two-level E4M3
+    # decoded such a tensor to NaN (amax · 0) before its dequantize took the same rule
+    x = _heavy((8, 64), dtype=dtype)
+    x[2, 5] = float("inf")
+    x[6, 40] = -float("inf")
+    with pytest.warns(RuntimeWarning, match="Inf"):
+        ref = nv.quantize(x, rht=rht)
+    with pytest.warns(RuntimeWarning, match="global encode scale falls back to 1"):
+        ours = quantize_fp4(x, 16, "e4m3", rht=rht)
+    assert torch.equal(ours.codes, ref.codes())
+    assert torch.equal(ours.scales, ref.scale.float())
+    assert torch.equal(ours.dequantize(), ref.dequantize())
+    assert not ours.dequantize().isnan().any()
+
+
+def test_an_inf_input_per_format():
+    x = torch.randn(2, 32, generator=torch.Generator().manual_seed(0))
+    x[0, 3] = float("inf")
+    with pytest.warns(RuntimeWarning, match="Inf") as rec:
+        single = quantize_fp4(x, 16, "e4m3", tensor_scale=False).dequantize()
+        mx = quantize_mxfp4(x).dequantize()
+    assert not any("falls back" in str(w.message) for w in rec)   # no per-tensor scale to fall back
+    # the Inf saturates to its block's top value: 6 × 448 (E4M3 scale), 6 × 2^127 = inf (E8M0)
+    assert single[0, 3] == 2688 and mx[0, 3] == float("inf")
+    assert (single[0, :16].ne(0).sum(), mx[0, :32].ne(0).sum()) == (1, 1)
+    assert torch.equal(single[1], quantize_fp4(x[1:], 16, "e4m3", tensor_scale=False).dequantize()[0])
+    with pytest.raises(ValueError, match="fp32.*inf"):
+        quantize_fp4(x, 16, "fp32")
+    with pytest.raises(ValueError, match="fp32.*inf"):
+        quantize_per_tensor_fp4(x)
+    with pytest.raises(ValueError, match="E8M0.*NaN"):
+        quantize_fp4(x, 32, "e8m0", rht=True)
