@@ -167,13 +167,22 @@ def stochastic_round_e2m1(
         ``uint8`` codes (0..15) of ``x``'s shape.
 
     Raises:
-        TypeError: non-float ``x``. ValueError: NaN in ``x``, or ``uniform`` of the
-        wrong shape.
+        TypeError: non-float ``x`` or ``uniform``. ValueError: NaN in ``x``; ``uniform`` of
+        the wrong shape, on another device, or with a value outside ``[0, 1)`` (NaN included).
     """
     check_float_tensor(x)
     check_no_nan(x, "stochastic_round_e2m1 input")
-    if uniform is not None and uniform.shape != x.shape:
-        raise ValueError(f"uniform has shape {tuple(uniform.shape)}, expected {tuple(x.shape)}")
+    if uniform is not None:
+        if not isinstance(uniform, torch.Tensor) or not uniform.dtype.is_floating_point:
+            raise TypeError(f"uniform must be a float tensor of draws in [0, 1), got "
+                            f"{uniform.dtype if isinstance(uniform, torch.Tensor) else type(uniform).__name__}")
+        if uniform.shape != x.shape:
+            raise ValueError(f"uniform has shape {tuple(uniform.shape)}, expected {tuple(x.shape)}")
+        if uniform.device != x.device:
+            raise ValueError(f"uniform is on {uniform.device}, x on {x.device}")
+        if not bool(((uniform >= 0) & (uniform < 1)).all()):   # NaN fails both comparisons
+            raise ValueError("uniform must hold draws in [0, 1) (no NaN): a draw of 1 or more never rounds up, "
+                             "a negative one always does")
     return sr_codes(x.float(), generator=generator, uniform=uniform)
 
 
