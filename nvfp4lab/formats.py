@@ -258,7 +258,9 @@ def to_e4m3(x: torch.Tensor) -> torch.Tensor:
     ``float8_e4m3fn`` has no Inf, so values are clamped to ±448 first (TE
     reference ``clamp(..., -448, 448).to(torch.float8_e4m3fn)``; the kernels use
     ``cvt.rn.satfinite``). Subnormal results (down to 2^-9) and zero are kept:
-    NVFP4 block scales have **no floor** (torchao floors at 2^-6, TE does not).
+    NVFP4 block scales have **no floor** (torchao floors at 2^-6, TE does not). NaN stays NaN
+    (E4M3's NaN code 0x7F, with its sign), as the reference's clamp-then-cast gives: a NaN amax
+    makes a NaN scale, which turns the GEMM outputs that use it into NaN.
 
     Raises:
         TypeError: non-float dtype.

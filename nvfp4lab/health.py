@@ -36,6 +36,7 @@ from typing import Any, Iterable
 import torch
 import torch.nn as nn
 
+from . import metrics
 from .hadamard import random_hadamard_transform
 from .linear import GemmOperand, NVFP4Linear, capture_gemm_operands
 from .quantize import BLOCK_SIZE, NVFP4Tensor
@@ -74,9 +75,7 @@ def operand_stats(source: torch.Tensor, q: NVFP4Tensor) -> dict[str, float]:
     n = x.numel()
     nonzero_codes = int(((codes & 7) != 0).sum())
     underflows = 100.0 * (int(x_q.count_nonzero()) - nonzero_codes) / n if n else 0.0
-    err = q.dequantize(torch.float32).reshape(q.rows, q.cols) - x
-    err2, sig2 = float(err.double().square().sum()), float(x.double().square().sum())
-    sqnr = math.inf if err2 == 0 else (10 * math.log10(sig2 / err2) if sig2 > 0 else -math.inf)
+    x_hat = q.dequantize(torch.float32).reshape(q.rows, q.cols)
     # block amax in the quantized domain, in the scale's layout (1x16 rows or 16x16 tiles)
     rows_p, cols_p = -(-q.rows // BLOCK_SIZE) * BLOCK_SIZE, -(-q.cols // BLOCK_SIZE) * BLOCK_SIZE
     xa = torch.nn.functional.pad(x_q.abs(), (0, cols_p - q.cols, 0, rows_p - q.rows))
@@ -89,8 +88,8 @@ def operand_stats(source: torch.Tensor, q: NVFP4Tensor) -> dict[str, float]:
     nblocks = max(int(live.numel()), 1)
     return {
         "underflows%": underflows,
-        "mse": float(err.double().square().mean()) if n else 0.0,
-        "sqnr_db": sqnr,
+        "mse": metrics.mse(x, x_hat) if n else 0.0,
+        "sqnr_db": metrics.sqnr_db(x, x_hat) if n else math.inf,
         "scale_zero%": 100.0 * int((live & (scale == 0)).sum()) / nblocks,
         "scale_saturated%": 100.0 * int((scale == _E4M3_MAX_BYTE).sum()) / nblocks,
         "amax": float(q.amax.max()) if q.amax.numel() else 0.0,   # row-scaled: the largest row amax
