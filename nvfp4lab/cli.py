@@ -35,6 +35,7 @@ import argparse
 import importlib
 import os
 import sys
+import warnings
 from typing import Any, Callable, Sequence
 
 __all__ = ["SUBCOMMANDS", "register_subcommand", "build_parser", "main"]
@@ -402,12 +403,27 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+class _WarningLines:
+    """``warnings.showwarning`` for the CLI: one ``nvfp4lab: warning:`` line per warning, each text
+    once (``train`` resolves its config twice, and the "once" filter is per module in CPython)."""
+
+    def __init__(self):
+        self.seen: set[str] = set()
+
+    def __call__(self, message, category, filename, lineno, file=None, line=None) -> None:
+        if str(message) not in self.seen:
+            self.seen.add(str(message))
+            print(f"nvfp4lab: warning: {message}", file=file or sys.stderr)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point (``nvfp4lab`` / ``python -m nvfp4lab``); returns the exit code."""
     parser = build_parser()
     args = parser.parse_args(argv)
     try:
-        code = int(args.func(args) or 0)
+        with warnings.catch_warnings():
+            warnings.showwarning = _WarningLines()
+            code = int(args.func(args) or 0)
         sys.stdout.flush()
     except BrokenPipeError:
         # The reader went away (`nvfp4lab probe --json | head`). Point stdout at devnull so that

@@ -97,7 +97,7 @@ def test_piped_output_that_is_cut_short_ends_quietly(tmp_path):
 
 
 def test_non_terminal_output_shows_a_start_line_and_progress(run_dir):
-    r = cli("train", *TINY, "--steps", "4", "--out", "progress", cwd=run_dir.parent)
+    r = cli("train", *TINY, "--steps", "4", "--warmup-steps", "2", "--out", "progress", cwd=run_dir.parent)
     assert r.returncode == 0, r.stderr
     lines = r.stderr.splitlines()
     assert lines[0].startswith("[nvfp4] start: precision nvfp4 (nvfp4lab), preset ci") and "4 steps" in lines[0]
@@ -157,3 +157,13 @@ def test_quantize_inf_keeps_te_numerics_and_warns_once_per_call_site():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         nvfp4lab.quantize(torch.tensor([1.0, 3.0e38, 0.0]))   # large but finite: no warning
+
+
+def test_a_warning_is_one_line_shown_once(tmp_path):
+    # the preset's 5 warm-up steps exceed a 2-step run: TrainConfig.resolved warns, and the CLI
+    # resolves the config twice (to report errors before training, then in train())
+    r = cli("train", *TINY, "--steps", "2", "--out", "short", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    lines = [ln for ln in r.stderr.splitlines() if "warning" in ln.lower()]
+    assert lines == ["nvfp4lab: warning: warmup_steps=5 is longer than the 2-step schedule: the learning rate "
+                     "peaks at 0.0012, not lr=0.003; set warmup_steps <= 2 to reach it"]

@@ -6,6 +6,7 @@ import importlib
 import json
 import math
 import os
+import warnings
 from pathlib import Path
 
 import pytest
@@ -55,6 +56,20 @@ def test_lr_schedule():
     assert lr_at(10 + 99 // 2, **kw) == pytest.approx(0.55, abs=0.02)
     lrs = [lr_at(s, **kw) for s in range(10, 110)]
     assert all(a >= b for a, b in zip(lrs, lrs[1:]))
+
+
+def test_a_warmup_longer_than_the_schedule_warns_with_the_peak_it_reaches():
+    with pytest.warns(UserWarning, match=r"warmup_steps=40 is longer than the 10-step schedule.*peaks at 0.0005"):
+        c = TrainConfig(preset="laptop", steps=10, lr=2e-3).resolved()
+    peak = max(lr_at(s, lr=c.lr, steps=c.steps, warmup_steps=c.warmup_steps, min_lr_frac=c.min_lr_frac)
+               for s in range(c.steps))
+    assert peak == pytest.approx(5e-4)
+    with pytest.warns(UserWarning, match="20-step schedule"):   # the schedule, not the run, is what counts
+        TrainConfig(preset="laptop", steps=10, schedule_steps=20).resolved()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        TrainConfig(preset="laptop", steps=10, schedule_steps=400).resolved()
+        TrainConfig(preset="ci", steps=5).resolved()   # warm-up as long as the run: lr reached at its last step
 
 
 def test_config_resolution_and_validation():

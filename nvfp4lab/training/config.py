@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
@@ -172,7 +173,16 @@ class TrainConfig:
 
     # -- resolution and validation
     def resolved(self) -> "TrainConfig":
-        """A copy with every preset default filled in, validated."""
+        """A copy with every preset default filled in, validated.
+
+        Raises:
+            ValueError: an unknown preset, or a field outside its range (each message names it).
+
+        Warns:
+            UserWarning: ``warmup_steps`` is longer than the schedule (``schedule_steps`` or
+                ``steps``): the learning rate never reaches ``lr`` (a short run on a preset with a
+                long warm-up, e.g. ``steps=10`` on "laptop").
+        """
         if self.preset not in TRAIN_PRESETS:
             raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(TRAIN_PRESETS)}")
         c = dataclasses.replace(self)
@@ -192,6 +202,11 @@ class TrainConfig:
         if c.name is None:
             c.name = c.precision
         c._validate()
+        span = c.schedule_steps or c.steps
+        if c.warmup_steps > span:
+            warnings.warn(f"warmup_steps={c.warmup_steps} is longer than the {span}-step schedule: the learning "
+                          f"rate peaks at {c.lr * span / c.warmup_steps:.3g}, not lr={c.lr:g}; set warmup_steps "
+                          f"<= {span} to reach it", UserWarning, stacklevel=2)
         return c
 
     def _validate(self) -> None:
