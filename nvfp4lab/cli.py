@@ -375,13 +375,15 @@ def _register_export(subparsers) -> None:
 @register_subcommand("compare")
 def _register_compare(subparsers) -> None:
     from .training import VARIANTS
+    from .training.loop import COMPARE_BASELINE
 
     p = subparsers.add_parser("compare", help="train several precisions / ablations and tabulate",
                               description="Train one configuration per variant; write a table and a plot. "
                                           f"Variants: {', '.join(VARIANTS)}.")
     p.add_argument("--variants", default="bf16,fp8,nvfp4",
                    help="comma-separated variant names (default bf16,fp8,nvfp4)")
-    p.add_argument("--baseline", default="bf16", help="variant the relative gaps refer to")
+    p.add_argument("--baseline", default=COMPARE_BASELINE,
+                   help=f"variant the relative gaps refer to (default {COMPARE_BASELINE}; none where no variant has it)")
     p.add_argument("--out", metavar="DIR", default="runs/compare", help="output folder (default runs/compare)")
     p.add_argument("--jobs", type=_positive_int, default=1, metavar="N",
                    help="variants trained at once, each in its own process with CPUs/N torch threads unless "

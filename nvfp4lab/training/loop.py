@@ -655,9 +655,13 @@ def _train_variant(config: TrainConfig) -> tuple[RunResult, str | None]:
         return exc.result, str(exc)
 
 
+#: :func:`compare`'s default baseline: the relative gaps refer to it where a variant has its name.
+COMPARE_BASELINE = "bf16"
+
+
 def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str, Any]]] = (
         "bf16", "fp8", "nvfp4"), *, out: str | os.PathLike | None = None,
-        baseline: str | None = "bf16", jobs: int = 1) -> CompareResult:
+        baseline: str | None = COMPARE_BASELINE, jobs: int = 1) -> CompareResult:
     """Train ``config`` once per variant and write ``compare.md``, ``compare.json`` and, unless
     ``config.plot`` is False, ``compare.png`` (the validation curves of every run).
 
@@ -701,7 +705,7 @@ def compare(config: TrainConfig, variants: Sequence[str | tuple[str, Mapping[str
     names = [n for n, _ in named]
     if len(set(names)) != len(names):
         raise ValueError(f"duplicate variant names in {names}")
-    if baseline is not None and baseline != "bf16" and baseline not in names:
+    if baseline is not None and baseline != COMPARE_BASELINE and baseline not in names:
         raise ValueError(f"compare: baseline {baseline!r} is not one of the variants {names}")
     runs: dict[str, RunResult] = {}
     ctx = distributed.setup(config.device)   # one process group for all the runs (each train uses it)
