@@ -86,4 +86,5 @@ def max_abs_error(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 for _f in (mse, sqnr_db, relative_error, max_abs_error):
-    _f.__doc__ += _ARGS
+    if _f.__doc__:   # None under python -OO
+        _f.__doc__ += _ARGS

@@ -194,6 +194,9 @@ class NVFP4Tensor:
             only with 4over6). Dequantization and the GEMM use ``6 · e4m3_max`` for 2688.
         row_scaled: :attr:`amax` is a float32 ``[M]`` vector, one amax per row (TE
             ``row_scaled_nvfp4``, ``global_amax_row``), instead of one 0-d value.
+
+    Built by hand, the fields' types, dtypes and shapes are checked against ``shape`` and
+    ``block`` (ValueError or TypeError naming the field; :meth:`__post_init__`), never their values.
     """
 
     data: torch.Tensor | None
