@@ -366,12 +366,15 @@ def _direct_launch(compiled: Any) -> Any:
     (``compiler/compiler.py`` ``CompiledKernel.__getitem__``), or None where the kernel needs
     what that path adds (a global or profiling scratch buffer). Triton 3.6 passes its
     launch-hook chains and their metadata on every launch; :func:`_launch` calls this only while
-    both chains are empty, when they do nothing."""
+    both chains are empty, when they do nothing. None as well on any Triton other than 3.6, the
+    release whose launcher this binds and the GPU tests ran (3.7 takes the same positional
+    arguments, but no GPU here has run it): Triton's own launch path then serves."""
     global _TRITON_RUNTIME
     meta = compiled.metadata
-    knobs = getattr(_kernels().triton, "knobs", None)
+    triton = _kernels().triton
+    knobs = getattr(triton, "knobs", None)
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0) \
-            or knobs is None or not hasattr(compiled, "packed_metadata"):
+            or knobs is None or not hasattr(compiled, "packed_metadata") or not triton.__version__.startswith("3.6."):
         return None   # a scratch buffer to allocate, or not the Triton release this was written for
     _TRITON_RUNTIME = knobs.runtime
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
