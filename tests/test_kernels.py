@@ -1026,11 +1026,12 @@ def test_rht_is_exact_where_an_fp32_butterfly_is_not():
 
 
 @pytest.mark.parametrize("version, direct", [("3.6.0", True), ("3.7.1", False), ("3.8.0", False)])
-def test_the_direct_launcher_binds_only_the_triton_release_it_was_written_for(monkeypatch, version, direct):
+def test_the_launch_cache_and_direct_launcher_serve_only_the_triton_release_they_were_written_for(monkeypatch, version, direct):
     # the launcher's positional arguments are Triton internals: on another release (untested on a
     # GPU here) the launches take Triton's own path
     from types import SimpleNamespace
     compiled = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0, profile_scratch_size=0),
                                run=lambda *a: None, function=0, packed_metadata=(4, 1, 0))
     monkeypatch.setattr(triton, "__version__", version)
+    assert kernels._launch_cache_release() == direct   # _launch's cache too: Triton's own path elsewhere
     assert (kernels._direct_launch(compiled) is not None) == direct

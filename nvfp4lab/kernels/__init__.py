@@ -361,20 +361,26 @@ def _launch_signature(args: tuple) -> list:
 _TRITON_RUNTIME: Any = None
 
 
+def _launch_cache_release() -> bool:
+    """Whether the installed Triton is 3.6, the release whose specialisation rules
+    :func:`_launch_signature` follows and whose launcher :func:`_direct_launch` binds, and on which
+    the GPU tests ran. On any other release (the ``kernels`` extra allows 3.7, which no GPU here has
+    run) every launch takes Triton's own path: slower on the host, specialised by Triton itself."""
+    return _kernels().triton.__version__.startswith("3.6.")
+
+
 def _direct_launch(compiled: Any) -> Any:
     """The launcher Triton's ``CompiledKernel[grid](*args)`` ends in, with what it passes bound
     (``compiler/compiler.py`` ``CompiledKernel.__getitem__``), or None where the kernel needs
     what that path adds (a global or profiling scratch buffer). Triton 3.6 passes its
     launch-hook chains and their metadata on every launch; :func:`_launch` calls this only while
-    both chains are empty, when they do nothing. None as well on any Triton other than 3.6, the
-    release whose launcher this binds and the GPU tests ran (3.7 takes the same positional
-    arguments, but no GPU here has run it): Triton's own launch path then serves."""
+    both chains are empty, when they do nothing. None as well on any Triton other than 3.6
+    (:func:`_launch_cache_release`)."""
     global _TRITON_RUNTIME
     meta = compiled.metadata
-    triton = _kernels().triton
-    knobs = getattr(triton, "knobs", None)
+    knobs = getattr(_kernels().triton, "knobs", None)
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0) \
-            or knobs is None or not hasattr(compiled, "packed_metadata") or not triton.__version__.startswith("3.6."):
+            or knobs is None or not hasattr(compiled, "packed_metadata") or not _launch_cache_release():
         return None   # a scratch buffer to allocate, or not the Triton release this was written for
     _TRITON_RUNTIME = knobs.runtime
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
@@ -399,7 +405,8 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     launcher that Triton's public ``CompiledKernel[grid](*args)`` calls, on the current stream,
     with the same binary and arguments (:func:`_direct_launch`; through ``CompiledKernel[grid]``
     itself while a Triton launch hook is installed, e.g. by a profiler). Triton's path is taken in
-    the interpreter and with ``options().launch_cache`` off.
+    the interpreter, with ``options().launch_cache`` off and on any Triton other than 3.6
+    (:func:`_launch_cache_release`).
 
     Returns:
         The cache entry ``(compiled kernel, constexpr values, direct launcher or None)`` of this
@@ -408,7 +415,8 @@ def _launch(kernel: Any, grid: tuple[int, ...], *args: Any, num_warps: int, **co
     Raises:
         TypeError: a keyword argument that is not one of the kernel's constexpr parameters.
     """
-    if (_INTERPRETED if _INTERPRETED is not None else interpreter_mode()) or not _state.options.launch_cache:
+    if (_INTERPRETED if _INTERPRETED is not None else interpreter_mode()) or not _state.options.launch_cache \
+            or not _launch_cache_release():
         kernel[grid](*args, num_warps=num_warps, **constexprs, **_launch_opts())
         return
     device = torch.cuda.current_device()
