@@ -158,6 +158,20 @@ def block_encode_scales(scale: torch.Tensor, amax: torch.Tensor) -> torch.Tensor
     return torch.minimum(torch.reciprocal(scale.float() * s_dec), _f32(FLT_MAX, amax.device))
 
 
+def block_decode_factors(scale: torch.Tensor, amax: torch.Tensor, e4m3_max: int = 448) -> torch.Tensor:
+    """Each block's full FP32 decode factor ``RN(RN(float(sf) · amax) · RN(1 / (6 · e4m3_max)))``, in
+    the order of TE's ``dequantize_nvfp4.cuh``; where the amax is not finite (the input held ±Inf,
+    so ``S_enc`` was 1) the block scale alone. No host read (capturable).
+
+    Args:
+        scale: float32 block scales, any shape.
+        amax: float32 per-tensor amax, 0-d, or ``[M, 1]`` per row (row-scaled) against ``[M, nb]`` scales.
+        e4m3_max: the E4M3 bound of the global scale, 448 or 256 (TE ``nvfp4_e4m3_max``).
+    """
+    scaled = (scale * amax) * torch.reciprocal(_f32(_numerator(e4m3_max), scale.device))
+    return torch.where(torch.isfinite(amax), scaled, scale)
+
+
 def _ceil_to(n: int, m: int) -> int:
     return -(-n // m) * m
 
@@ -374,8 +388,7 @@ class NVFP4Tensor:
         sf = self.scale.float()
         # row-scaled: amax [M] -> [M, 1], one factor per row (TE row_scaled_nvfp4)
         amax = self.amax.reshape(-1, 1) if self.row_scaled else self.amax
-        scaled = (sf * amax) * torch.reciprocal(_f32(_numerator(self.e4m3_max), self.device))
-        d = torch.where(torch.isfinite(amax), scaled, sf)  # no host read: capturable
+        d = block_decode_factors(sf, amax, self.e4m3_max)
         x = decode_e2m1(self.codes()) * self._per_element(d)
         if undo:
             x = inverse_random_hadamard_transform(x, signs=self.rht_signs)

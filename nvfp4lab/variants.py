@@ -58,14 +58,13 @@ from .formats import (
     E8M0_MIN_EXP,
     FLT_MAX,
     MX_BLOCK_SIZE,
-    GLOBAL_SCALE_NUMERATOR,
     check_float_tensor,
     decode_e2m1,
     encode_e2m1,
     to_e4m3,
 )
 from .hadamard import RHT_SIZE, WGRAD_SIGNS, inverse_random_hadamard_transform, random_hadamard_transform
-from .quantize import block_decode_scales, block_encode_scales
+from .quantize import block_decode_factors, block_decode_scales, block_encode_scales
 from .rounding import stochastic_round_e2m1
 
 __all__ = [
@@ -138,10 +137,7 @@ class FP4BlockTensor:
         """Each block's full decode factor (block scale × per-tensor factor), float32 ``[M, nb]``."""
         if self.amax is None:
             return self.scales
-        scaled = (self.scales * self.amax) * torch.reciprocal(torch.tensor(GLOBAL_SCALE_NUMERATOR, device=self.scales.device))
-        # an infinite amax (the input held ±Inf) made S_enc 1: the block scale alone decodes, as
-        # NVFP4Tensor.dequantize and TE's dequantize_nvfp4.cuh
-        return torch.where(torch.isfinite(self.amax), scaled, self.scales)
+        return block_decode_factors(self.scales, self.amax)   # as NVFP4Tensor.dequantize
 
     def dequantize(self, dtype: torch.dtype | None = None, *, undo_rht: bool = True) -> torch.Tensor:
         """Decode to the logical shape: ``code × block decode factor`` in float32, then cast.
