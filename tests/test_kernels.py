@@ -1033,5 +1033,9 @@ def test_the_launch_cache_and_direct_launcher_serve_only_the_triton_release_they
     compiled = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0, profile_scratch_size=0),
                                run=lambda *a: None, function=0, packed_metadata=(4, 1, 0))
     monkeypatch.setattr(triton, "__version__", version)
-    assert kernels._launch_cache_release() == direct   # _launch's cache too: Triton's own path elsewhere
-    assert (kernels._direct_launch(compiled) is not None) == direct
+    kernels._launch_cache_release.cache_clear()   # read once per process: read this version
+    try:
+        assert kernels._launch_cache_release() == direct   # _launch's cache too: Triton's own path elsewhere
+        assert (kernels._direct_launch(compiled) is not None) == direct
+    finally:
+        kernels._launch_cache_release.cache_clear()   # the next reader reads the real version

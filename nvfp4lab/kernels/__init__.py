@@ -45,6 +45,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import itertools
 import math
 import os
@@ -361,8 +362,9 @@ def _launch_signature(args: tuple) -> list:
 _TRITON_RUNTIME: Any = None
 
 
+@functools.cache
 def _launch_cache_release() -> bool:
-    """Whether the installed Triton is 3.6, the release whose specialisation rules
+    """(Read once: it is on every launch's path.) Whether the installed Triton is 3.6, the release whose specialisation rules
     :func:`_launch_signature` follows and whose launcher :func:`_direct_launch` binds, and on which
     the GPU tests ran. On any other release (the ``kernels`` extra allows 3.7, which no GPU here has
     run) every launch takes Triton's own path: slower on the host, specialised by Triton itself."""
