@@ -608,7 +608,7 @@ def _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN: tl.constexpr):
 
 @triton.jit
 def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl.constexpr,
-                  SCALE: tl.constexpr = True):
+                  SCALE: tl.constexpr = True, STAGES: tl.constexpr = 4):
     """The RHT of columnwise blocks held as 16 slices (tuple of 16 [G, BK], slice i = element i of
     every block): the 4-stage butterfly of :func:`_rht16` as element-wise add/sub between slices,
     with the same numerics (exact in float64, one rounding to float32, then to bf16). Not SCALE
@@ -622,12 +622,15 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
     exactly ± the signed butterfly's (RN(-v) = -RN(v)), with no negation instruction: in float64
     the inputs convert straight from BF16 (F2F.F64.BF16), where a negated input took an FP32
     negation and conversion. Only a zero's sign may differ (x - x = +0), which the consumers
-    never see: they take |y| or add +0.0 (:func:`_scaled`, :func:`_sign_bit3`)."""
+    never see: they take |y| or add +0.0 (:func:`_scaled`, :func:`_sign_bit3`).
+
+    ``STAGES=3`` (FP32, not SCALE, for :func:`_rht16_slices_amax_bits`): the first three stages
+    alone, their outputs unscaled and unsigned."""
     if F64:
         ys = [xs[i].to(tl.float64) for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     else:
         ys = [xs[i] for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
-    for s in tl.static_range(4):
+    for s in tl.static_range(STAGES):
         # Stage s pairs a = ys[p] and b = ys[p + 2^s], p = i with bit s cleared. Before it, value i
         # carries the sign of input (i >> s) << s: a that of input p0 = p with its low s bits
         # cleared, b that of input p0 + 2^s. The pair's sum goes to p and its difference to p + 2^s
@@ -666,6 +669,24 @@ def _slices_amax_bits(ys, SCALE: tl.constexpr = 1.0):
     if SCALE != 1.0:
         m = m * SCALE
     return tl.max(tl.max(m.to(tl.int32, bitcast=True), axis=1), axis=0)
+
+
+@triton.jit
+def _rht16_slices_amax_bits(xs, SIGN_MASK: tl.constexpr):
+    """The FP32-butterfly post-RHT max of 16 slices (as :func:`_slices_amax_bits` of
+    ``_rht16_slices(xs, SIGN_MASK, False, False, False)`` times 1/4) without the last stage's
+    outputs: that stage turns each pair (a, b), slices p and p + 8, into ±RN(a + b) and ±RN(a - b),
+    and max(|a + b|, |a - b|) = |a| + |b| with RN monotone, so the pair's larger magnitude is
+    RN(|a| + |b|): one addition (its |·| operand modifiers free) where the stage's two and the max's
+    two took four instructions, two of them on the half-rate ALU pipe. The same bits wherever the
+    three-stage values are finite; where a and b are infinities the stage gives a NaN (∞ - ∞) and
+    this an inf. Only for :func:`amax_slices_kernel`'s certified path, which takes any non-finite
+    maximum to the FP64 butterfly (:func:`_certain_bf16_max`)."""
+    ys = _rht16_slices(xs, SIGN_MASK, False, False, False, 3)
+    m = tl.abs(ys[0]) + tl.abs(ys[8])
+    for i in tl.static_range(1, 8):
+        m = _max_nan(m, tl.abs(ys[i]) + tl.abs(ys[i + 8]))
+    return tl.max(tl.max((m * 0.25).to(tl.int32, bitcast=True), axis=1), axis=0)
 
 
 @triton.jit
@@ -891,15 +912,14 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
     if COL_RHT:
         if RHT_F64 and not ROUND_BF16:   # FP32/FP16 input: the FP64 butterfly
             bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, True, False))
+        elif RHT_F64:   # the FP32 butterfly, certified; its 1/4 applied to the one maximum
+            bits, ok = _certain_bf16_max(_rht16_slices_amax_bits(xs, SIGN_MASK))
+            if not ok:
+                bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, FB, SIGN_MASK,
+                                                         EVEN, I64), True)
         else:   # the FP32 butterfly, its 1/4 applied to the one maximum (_slices_amax_bits)
-            bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25)
-            if RHT_F64:
-                bits, ok = _certain_bf16_max(bits)
-                if not ok:
-                    bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, FB, SIGN_MASK,
-                                                             EVEN, I64), True)
-            else:
-                bits = _rounded_max(bits, ROUND_BF16)
+            bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25),
+                                ROUND_BF16)
         tl.atomic_max(amax_ptr + 1, bits)
 
 
