@@ -100,8 +100,11 @@ _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     "slices_both": dict(G=4, BK=64, num_warps=4),
     "slices2d": dict(G=4, BK=64, num_warps=4),
     # FB: columns per step of its rare FP64 fallback. H200, ROW + COL_RHT, against the FP64-only pass at
-    # G=2 BK=128 w4: 57.2 vs 69.2 us at 8192^2; 16.3 vs 17.5, 45.6 vs 53.2, 36.1 vs 42.3 at 16384 x 768/3072/2304
-    "amax_slices": dict(G=2, BK=256, FB=128, num_warps=8),
+    # G=2 BK=128 w4: 57.2 vs 69.2 us at 8192^2; 16.3 vs 17.5, 45.6 vs 53.2, 36.1 vs 42.3 at 16384 x 768/3072/2304.
+    # Four warps, not eight, since the last butterfly stage merged with its max (38499dc): alone, 5-12%
+    # faster at seven shapes from 8192 x 768 to 8192^2 (13.2 vs 14.9 us at 8192 x 2304, 45.7 vs 49.5 at
+    # 8192^2); in the captured layer 1.5-3.0 us less at the five shapes of results/tile_sweep_nvidia_h200.json
+    "amax_slices": dict(G=2, BK=256, FB=128, num_warps=4),
 }
 
 
