@@ -62,9 +62,11 @@ _ROWS = _rows((4, 32, 4), (2, 32, 2), (8, 32, 4), (4, 32, 2), (8, 32, 8), (16, 3
               (1, 64, 2))
 #: mode -> candidate tiles (the modes the layer's recipe runs)
 CANDIDATES: dict[str, list[dict[str, int]]] = {
-    "amax_slices": [dict(G=g, BK=bk, FB=min(128, bk), num_warps=w) for g, bk, w in
-                    ((2, 256, 8), (1, 256, 8), (4, 256, 8), (2, 128, 8), (2, 512, 8), (2, 256, 4), (1, 128, 4),
-                     (4, 128, 8), (1, 512, 8), (2, 128, 4), (4, 256, 4), (2, 256, 2), (1, 256, 4), (4, 128, 4))],
+    # (programs_per_sm None: one program per tile)
+    "amax_slices": [dict(G=g, BK=bk, FB=min(128, bk), num_warps=w, programs_per_sm=p) for g, bk, w, p in
+                    ((2, 256, 4, 4), (2, 256, 4, None), (2, 256, 8, None), (2, 256, 4, 2), (2, 256, 4, 3),
+                     (2, 256, 4, 6), (2, 256, 4, 8), (2, 256, 8, 4), (4, 256, 4, 2), (4, 256, 4, 4), (1, 256, 4, 4),
+                     (1, 256, 4, 8), (2, 128, 4, 4), (2, 512, 4, 4))],
     "slices_col_sr": _SLICES, "slices_col": _SLICES, "slices2d": _SLICES,
     "rows_values_narrow": _rows((4, 16, 2), (8, 16, 4), (4, 16, 4), (16, 16, 4), (2, 16, 2), (8, 16, 2),
                                 (16, 16, 8), (4, 16, 1), (2, 16, 1)),

@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.testing import assert_nvfp4_equal, rht_rounding_boundary_block
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
+from nvfp4lab.hadamard import WGRAD_SIGNS  # noqa: E402
 from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
 from nvfp4lab.quantize import (  # noqa: E402
     block_encode_scales, nvfp4_matmul, quantize, quantize_rowwise_columnwise, uses_kernels)
@@ -981,6 +982,46 @@ def _rht_copy(x):
 def _rht_amax(x):
     """The columnwise RHT copy's amax bits of ``x`` (:func:`_rht_copy`)."""
     return _rht_copy(x).amax.view(torch.int32)
+
+
+def test_amax_pass_grid_stride_equals_one_program_per_tile():
+    """The 16-slice amax pass with fewer programs than tiles (each taking every P-th tile, the next
+    one's loads in flight: ``programs_per_sm``; on CPU tensors 2 "SMs") gives the bits of one
+    program per tile and of the reference, rowwise and post-RHT: where the post-RHT maximum sits
+    in a block at a BF16 rounding boundary (its tile certified no, re-run in FP64), in the last
+    tile or the first, with K not a multiple of the tile (masked loads), and with a NaN."""
+    g = torch.Generator().manual_seed(5)
+    cfg = dict(kernels.options().config["amax_slices"])
+    assert cfg.get("programs_per_sm"), "the default no longer takes a grid-stride loop: test what it does"
+    one_per_tile = dict(cfg, programs_per_sm=None)
+    cases = []
+    for M, K, at in ((128, 1024, (64, 300)), (128, 1024, (112, 1020)), (160, 800, (0, 5))):
+        x = (torch.randn(M, K, generator=g) * 0.01).to(torch.bfloat16)
+        r, c = at
+        x[r:r + 16, c:c + 1] = rht_rounding_boundary_block(g, columns=1)
+        cases.append(x)
+    nan = cases[0].clone()
+    nan[120, 1000] = float("nan")
+    for x in cases + [nan]:
+        M, K = x.shape
+        n_tiles = (M // (16 * cfg["G"])) * -(-K // cfg["BK"])
+
+        def amax_pass(c):   # the launch of kernels._run, alone
+            buf = torch.zeros(2)
+            tk.amax_slices_kernel[(kernels._amax_slices_programs(c, n_tiles, x.device),)](
+                *kernels._amax_args(x, buf), ROW=True, COL_RHT=True, SIGN_MASK=kernels.sign_mask(WGRAD_SIGNS),
+                RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], FB=c["FB"], EVEN=K % c["BK"] == 0,
+                I64=False, num_warps=c["num_warps"])
+            return buf.view(torch.int32)
+
+        assert kernels._amax_slices_programs(cfg, n_tiles, x.device) < n_tiles   # the loop runs
+        got = amax_pass(cfg)
+        assert torch.equal(got, amax_pass(one_per_tile))
+        if x is nan:   # (the reference refuses NaN)
+            assert torch.isnan(got.view(torch.float32)).all()
+        else:
+            want = ref(quantize_rowwise_columnwise, x, dict(block="1d"), dict(block="1d", rht=True))
+            assert torch.equal(got, torch.stack([want[0].amax, want[1].amax]).view(torch.int32)), (x.shape, got)
 
 
 def test_rht_is_exact_where_an_fp32_butterfly_is_not():

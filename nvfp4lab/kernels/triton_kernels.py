@@ -893,6 +893,27 @@ def _slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G: tl.constexpr, BK: tl.
 
 
 @triton.jit
+def _slices_at(x_ptr, M, K, sxm, sxk, t, n_k, G: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+               I64: tl.constexpr):
+    """The 16 row slices of tile ``t`` (row-major over tiles of 16·G rows × BK columns, ``n_k`` per
+    row of tiles) of x [M, K], as :func:`_load_slices`; all zero (no memory read) where
+    ``t`` is past the last tile."""
+    g = (t // n_k) * (16 * G) + tl.arange(0, G) * 16
+    cols = (t % n_k) * BK + tl.arange(0, BK)
+    if I64:
+        g = g.to(tl.int64)
+        cols = cols.to(tl.int64)
+    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
+    inside = t < tl.cdiv(M, 16 * G) * n_k
+    if EVEN:
+        lmask = tl.broadcast_to(inside, (G, BK))
+    else:
+        lmask = inside & (g[:, None] < M) & (cols[None, :] < K)
+    return tl.tuple([tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
+                     for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)])
+
+
+@triton.jit
 def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
                        ROW: tl.constexpr, COL_RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
                        RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
@@ -902,25 +923,49 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
     columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel.
     NaN-propagating integer max on int32 ``amax_ptr``, as :func:`amax_kernel`.
 
+    Each program takes the tiles (16·G rows × BK columns) ``pid, pid + P, pid + 2P, ...`` (P the
+    grid's size; one tile per program where the grid covers them all) and loads the next one's
+    slices before working on the current one's, so that its reads are in flight during the
+    arithmetic; it keeps its running maxima and makes one atomic per amax at the end. (H200:
+    18-22% faster at 16384 × 2304, 16384 × 3072 and 8192² with four programs per SM than one
+    program per tile, the same time at 16384 × 768.) The tiles in the grid's last round are the
+    highest, as with one program per tile, so the quantize kernels that read in reverse order
+    after it (``REVERSE``) still find the end of x in the L2.
+
     With RHT_F64 and BF16 input (ROUND_BF16) the post-RHT max comes from an FP32 butterfly where
-    :func:`_certain_bf16_max` certifies that it equals the FP64 one's, and otherwise (about one
-    tile in a hundred on Gaussian data) from :func:`_slices_rht_amax_f64`, FB columns at a time:
-    the same bits as the FP64 butterfly everywhere."""
-    xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, False, EVEN, I64)
+    :func:`_certain_bf16_max` certifies that it equals the FP64 one's, tile by tile, and otherwise
+    (about one tile in a hundred on Gaussian data) from :func:`_slices_rht_amax_f64`, FB columns
+    at a time: the same bits as the FP64 butterfly everywhere."""
+    pid = tl.program_id(0)
+    P = tl.num_programs(0)
+    n_k = tl.cdiv(K, BK)
+    n_tiles = tl.cdiv(M, 16 * G) * n_k
+    row_bits = tl.full([], 0, tl.int32)
+    col_bits = tl.full([], 0, tl.int32)
+    t = pid
+    xs = _slices_at(x_ptr, M, K, sxm, sxk, t, n_k, G, BK, EVEN, I64)
+    while t < n_tiles:   # (a while loop: Triton's interpreter cannot take a tensor as range()'s bound)
+        xs_next = _slices_at(x_ptr, M, K, sxm, sxk, t + P, n_k, G, BK, EVEN, I64)
+        if ROW:
+            row_bits = tl.maximum(row_bits, _slices_amax_bits(xs))
+        if COL_RHT:
+            if RHT_F64 and not ROUND_BF16:   # FP32/FP16 input: the FP64 butterfly
+                bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, True, False))
+            elif RHT_F64:   # the FP32 butterfly, certified; its 1/4 applied to the one maximum
+                bits, ok = _certain_bf16_max(_rht16_slices_amax_bits(xs, SIGN_MASK))
+                if not ok:
+                    bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, t // n_k, t % n_k, G, BK, FB,
+                                                             SIGN_MASK, EVEN, I64), True)
+            else:   # the FP32 butterfly, its 1/4 applied to the one maximum (_slices_amax_bits)
+                bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25),
+                                    ROUND_BF16)
+            col_bits = tl.maximum(col_bits, bits)
+        t += P
+        xs = xs_next
     if ROW:
-        tl.atomic_max(amax_ptr, _slices_amax_bits(xs))
+        tl.atomic_max(amax_ptr, row_bits)
     if COL_RHT:
-        if RHT_F64 and not ROUND_BF16:   # FP32/FP16 input: the FP64 butterfly
-            bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, True, False))
-        elif RHT_F64:   # the FP32 butterfly, certified; its 1/4 applied to the one maximum
-            bits, ok = _certain_bf16_max(_rht16_slices_amax_bits(xs, SIGN_MASK))
-            if not ok:
-                bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, FB, SIGN_MASK,
-                                                         EVEN, I64), True)
-        else:   # the FP32 butterfly, its 1/4 applied to the one maximum (_slices_amax_bits)
-            bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25),
-                                ROUND_BF16)
-        tl.atomic_max(amax_ptr + 1, bits)
+        tl.atomic_max(amax_ptr + 1, col_bits)
 
 
 # ----------------------------------------------------------------------------- GEMM epilogue
