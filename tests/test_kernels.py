@@ -1011,7 +1011,8 @@ def test_amax_pass_grid_stride_equals_one_program_per_tile():
             tk.amax_slices_kernel[(kernels._amax_slices_programs(c, n_tiles, x.device),)](
                 *kernels._amax_args(x, buf), ROW=True, COL_RHT=True, SIGN_MASK=kernels.sign_mask(WGRAD_SIGNS),
                 RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], FB=c["FB"], EVEN=K % c["BK"] == 0,
-                I64=False, num_warps=c["num_warps"])
+                I64=False, STRIDED=kernels._amax_slices_programs(c, n_tiles, x.device) < n_tiles,
+                num_warps=c["num_warps"])
             return buf.view(torch.int32)
 
         assert kernels._amax_slices_programs(cfg, n_tiles, x.device) < n_tiles   # the loop runs

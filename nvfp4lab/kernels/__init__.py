@@ -104,10 +104,11 @@ _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     # Four warps, not eight, since the last butterfly stage merged with its max (38499dc): alone, 5-12%
     # faster at seven shapes from 8192 x 768 to 8192^2 (13.2 vs 14.9 us at 8192 x 2304, 45.7 vs 49.5 at
     # 8192^2); in the captured layer 1.5-3.0 us less at the five shapes of results/tile_sweep_nvidia_h200.json.
-    # programs_per_sm: a grid of that many programs per SM, each looping over tiles with the next one's
-    # loads in flight (_amax_slices_programs); H200, alone: 12.0 vs 13.4 us at 8192 x 2304, 23.3 vs 27.9 at
-    # 16384 x 2304, 28.8 vs 36.1 at 16384 x 3072, 36.0 vs 46.0 at 8192^2 (2, 3, 6 and 8 per SM no better)
-    "amax_slices": dict(G=2, BK=256, FB=128, num_warps=4, programs_per_sm=4),
+    # programs_per_sm: at most that many programs per SM, each looping over tiles with the next one's
+    # loads in flight (_amax_slices_programs); H200, alone, 3 per SM: 12.0 vs 13.4 us at 8192 x 2304, 22.9
+    # vs 27.9 at 16384 x 2304, 29.1 vs 36.1 at 16384 x 3072, 35.7 vs 46.0 at 8192^2 (2, 4, 6 and 8 no
+    # better; the loop takes 128-136 registers a thread, so three programs of four warps fit an SM)
+    "amax_slices": dict(G=2, BK=256, FB=128, num_warps=4, programs_per_sm=3),
 }
 
 
@@ -555,13 +556,12 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _amax_slices_programs(cfg: Mapping, n_tiles: int, device: torch.device) -> int:
-    """The grid of ``amax_slices_kernel`` over ``n_tiles`` tiles: ``programs_per_sm`` programs per
-    SM, each taking every P-th tile (:func:`~nvfp4lab.kernels.triton_kernels.amax_slices_kernel`),
-    where that leaves each at least two; one program per tile otherwise, or without
+    """The grid of ``amax_slices_kernel`` over ``n_tiles`` tiles: at most ``programs_per_sm``
+    programs per SM (then each takes every P-th tile: ``STRIDED``, see
+    :func:`~nvfp4lab.kernels.triton_kernels.amax_slices_kernel`); one program per tile without
     ``programs_per_sm`` in ``cfg``."""
     per_sm = cfg.get("programs_per_sm")
-    programs = n_tiles if per_sm is None else per_sm * _sm_count(device)
-    return n_tiles if n_tiles < 2 * programs else programs
+    return n_tiles if per_sm is None else min(n_tiles, per_sm * _sm_count(device))
 
 
 def _rows_kernel_runs(x2: torch.Tensor, opts: "KernelOptions", row_rht: bool, block2d: bool) -> bool:
@@ -693,10 +693,11 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         if do_col_rht and opts.slices and M % 16 == 0 and not row_rht:
             a_cfg = config["amax_slices"]
             G, BK = a_cfg["G"], a_cfg["BK"]
-            _launch(k.amax_slices_kernel, (_amax_slices_programs(a_cfg, _cdiv(M, 16 * G) * _cdiv(K, BK), dev),),
-                    *_amax_args(x2, buf), ROW=do_row, COL_RHT=True,
+            n_tiles = _cdiv(M, 16 * G) * _cdiv(K, BK)
+            programs = _amax_slices_programs(a_cfg, n_tiles, dev)
+            _launch(k.amax_slices_kernel, (programs,), *_amax_args(x2, buf), ROW=do_row, COL_RHT=True,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK, FB=min(a_cfg["FB"], BK),
-                EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64,
+                EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64, STRIDED=programs < n_tiles,
                 num_warps=a_cfg["num_warps"])
         else:
             _launch_amax(x2, buf, config, row=do_row, row_rht=row_rht, col_rht=do_col_rht, mask=mask, rht_f64=rf64,

@@ -914,54 +914,73 @@ def _slices_at(x_ptr, M, K, sxm, sxk, t, n_k, G: tl.constexpr, BK: tl.constexpr,
 
 
 @triton.jit
+def _amax_slices_tile(x_ptr, M, K, sxm, sxk, xs, t, n_k, ROW: tl.constexpr, COL_RHT: tl.constexpr,
+                      SIGN_MASK: tl.constexpr, RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr, G: tl.constexpr,
+                      BK: tl.constexpr, FB: tl.constexpr, EVEN: tl.constexpr, I64: tl.constexpr):
+    """(rowwise max |x|, columnwise post-RHT max) of tile ``t`` of :func:`amax_slices_kernel`,
+    whose slices ``xs`` are loaded, as int32 bits (0 for a copy not asked for)."""
+    row_bits = tl.full([], 0, tl.int32)
+    col_bits = tl.full([], 0, tl.int32)
+    if ROW:
+        row_bits = _slices_amax_bits(xs)
+    if COL_RHT:
+        if RHT_F64 and not ROUND_BF16:   # FP32/FP16 input: the FP64 butterfly
+            col_bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, True, False))
+        elif RHT_F64:   # the FP32 butterfly, certified; its 1/4 applied to the one maximum
+            col_bits, ok = _certain_bf16_max(_rht16_slices_amax_bits(xs, SIGN_MASK))
+            if not ok:
+                col_bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, t // n_k, t % n_k, G, BK, FB,
+                                                             SIGN_MASK, EVEN, I64), True)
+        else:   # the FP32 butterfly, its 1/4 applied to the one maximum (_slices_amax_bits)
+            col_bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25),
+                                    ROUND_BF16)
+    return row_bits, col_bits
+
+
+@triton.jit
 def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
                        ROW: tl.constexpr, COL_RHT: tl.constexpr, SIGN_MASK: tl.constexpr,
                        RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
                        G: tl.constexpr, BK: tl.constexpr, FB: tl.constexpr, EVEN: tl.constexpr,
-                       I64: tl.constexpr):
+                       I64: tl.constexpr, STRIDED: tl.constexpr = False):
     """amax pass for the 16-slice layout (M % 16 == 0): max|x| into amax[0] when ROW and the
     columnwise post-RHT max into amax[1] when COL_RHT, the butterfly as in quantize_slices_kernel.
     NaN-propagating integer max on int32 ``amax_ptr``, as :func:`amax_kernel`.
 
-    Each program takes the tiles (16·G rows × BK columns) ``pid, pid + P, pid + 2P, ...`` (P the
-    grid's size; one tile per program where the grid covers them all) and loads the next one's
-    slices before working on the current one's, so that its reads are in flight during the
-    arithmetic; it keeps its running maxima and makes one atomic per amax at the end. (H200:
-    18-22% faster at 16384 × 2304, 16384 × 3072 and 8192² with four programs per SM than one
-    program per tile, the same time at 16384 × 768.) The tiles in the grid's last round are the
-    highest, as with one program per tile, so the quantize kernels that read in reverse order
-    after it (``REVERSE``) still find the end of x in the L2.
+    One program per tile (16·G rows × BK columns), or with STRIDED fewer: each takes the tiles
+    ``pid, pid + P, pid + 2P, ...`` (P the grid's size) and loads the next one's slices before
+    working on the current one's, so that its reads are in flight during the arithmetic, keeping
+    its running maxima for one atomic per amax at the end (H200, alone: 18-22% faster at
+    16384 × 2304, 16384 × 3072 and 8192² than one program per tile; the loop's registers, 128-136
+    instead of 80 for four warps, cost the grid of one program per tile a third of its speed, so it
+    runs without). The tiles in the grid's last round are the highest, as with one program per
+    tile, so the quantize kernels that read in reverse order after it (``REVERSE``) still find the
+    end of x in the L2.
 
     With RHT_F64 and BF16 input (ROUND_BF16) the post-RHT max comes from an FP32 butterfly where
     :func:`_certain_bf16_max` certifies that it equals the FP64 one's, tile by tile, and otherwise
     (about one tile in a hundred on Gaussian data) from :func:`_slices_rht_amax_f64`, FB columns
     at a time: the same bits as the FP64 butterfly everywhere."""
     pid = tl.program_id(0)
-    P = tl.num_programs(0)
     n_k = tl.cdiv(K, BK)
-    n_tiles = tl.cdiv(M, 16 * G) * n_k
-    row_bits = tl.full([], 0, tl.int32)
-    col_bits = tl.full([], 0, tl.int32)
-    t = pid
-    xs = _slices_at(x_ptr, M, K, sxm, sxk, t, n_k, G, BK, EVEN, I64)
-    while t < n_tiles:   # (a while loop: Triton's interpreter cannot take a tensor as range()'s bound)
-        xs_next = _slices_at(x_ptr, M, K, sxm, sxk, t + P, n_k, G, BK, EVEN, I64)
-        if ROW:
-            row_bits = tl.maximum(row_bits, _slices_amax_bits(xs))
-        if COL_RHT:
-            if RHT_F64 and not ROUND_BF16:   # FP32/FP16 input: the FP64 butterfly
-                bits = _slices_amax_bits(_rht16_slices(xs, SIGN_MASK, True, False))
-            elif RHT_F64:   # the FP32 butterfly, certified; its 1/4 applied to the one maximum
-                bits, ok = _certain_bf16_max(_rht16_slices_amax_bits(xs, SIGN_MASK))
-                if not ok:
-                    bits = _rounded_max(_slices_rht_amax_f64(x_ptr, M, K, sxm, sxk, t // n_k, t % n_k, G, BK, FB,
-                                                             SIGN_MASK, EVEN, I64), True)
-            else:   # the FP32 butterfly, its 1/4 applied to the one maximum (_slices_amax_bits)
-                bits = _rounded_max(_slices_amax_bits(_rht16_slices(xs, SIGN_MASK, False, False, False), 0.25),
-                                    ROUND_BF16)
-            col_bits = tl.maximum(col_bits, bits)
-        t += P
-        xs = xs_next
+    xs = _slices_at(x_ptr, M, K, sxm, sxk, pid, n_k, G, BK, EVEN, I64)
+    if STRIDED:
+        P = tl.num_programs(0)
+        n_tiles = tl.cdiv(M, 16 * G) * n_k
+        row_bits = tl.full([], 0, tl.int32)
+        col_bits = tl.full([], 0, tl.int32)
+        t = pid
+        while t < n_tiles:   # (a while loop: Triton's interpreter cannot take a tensor as range()'s bound)
+            xs_next = _slices_at(x_ptr, M, K, sxm, sxk, t + P, n_k, G, BK, EVEN, I64)
+            r, c = _amax_slices_tile(x_ptr, M, K, sxm, sxk, xs, t, n_k, ROW, COL_RHT, SIGN_MASK, RHT_F64, ROUND_BF16,
+                                     G, BK, FB, EVEN, I64)
+            row_bits = tl.maximum(row_bits, r)
+            col_bits = tl.maximum(col_bits, c)
+            t += P
+            xs = xs_next
+    else:
+        row_bits, col_bits = _amax_slices_tile(x_ptr, M, K, sxm, sxk, xs, pid, n_k, ROW, COL_RHT, SIGN_MASK, RHT_F64,
+                                               ROUND_BF16, G, BK, FB, EVEN, I64)
     if ROW:
         tl.atomic_max(amax_ptr, row_bits)
     if COL_RHT:
