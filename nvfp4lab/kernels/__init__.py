@@ -105,9 +105,11 @@ _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     # faster at seven shapes from 8192 x 768 to 8192^2 (13.2 vs 14.9 us at 8192 x 2304, 45.7 vs 49.5 at
     # 8192^2); in the captured layer 1.5-3.0 us less at the five shapes of results/tile_sweep_nvidia_h200.json.
     # programs_per_sm: at most that many programs per SM, each looping over tiles with the next one's
-    # loads in flight (_amax_slices_programs); H200, alone, 3 per SM: 12.0 vs 13.4 us at 8192 x 2304, 22.9
-    # vs 27.9 at 16384 x 2304, 29.1 vs 36.1 at 16384 x 3072, 35.7 vs 46.0 at 8192^2 (2, 4, 6 and 8 no
-    # better; the loop takes 128-136 registers a thread, so three programs of four warps fit an SM)
+    # loads in flight (_amax_slices_programs; the loop takes 128-136 registers a thread, so three programs
+    # of four warps fit an SM). H200, alone, against one program of four warps per tile: 12.2 vs 12.9 us
+    # at 8192 x 2304, 23.1 vs 26.8 at 16384 x 2304, 29.0 vs 34.1 at 16384 x 3072, 36.0 vs 44.2 at 8192^2;
+    # in the captured layer at GPT-2-small's shapes 1.2-6.4 us less, and 2, 4 or 6 per SM no better
+    # (results/tile_sweep_amax_nvidia_h200.json)
     "amax_slices": dict(G=2, BK=256, FB=128, num_warps=4, programs_per_sm=3),
 }
 
