@@ -12,7 +12,8 @@ FP32 rate), ``imad`` (integer multiply-add, on the FMA-heavy pipe, also half rat
 static counts of an unrolled body, so they approximate the executed instructions per element; what
 the GPU does with them is measured by ``nvfp4lab bench``. The amax pass's count includes its FP64
 fallback loop, which runs in about one tile in a hundred; the row "its FP32 path alone" compiles it
-without (``RHT_F64=False``). A column stride of 1 is compiled as the constant Triton makes of it
+without (``RHT_F64=False``); the row "grid-stride loop" is the form that takes several tiles per
+program (``STRIDED``), its loop body counted once per tile. A column stride of 1 is compiled as the constant Triton makes of it
 (it specialises integer arguments equal to 1), as in the dispatcher's launches on contiguous
 inputs. Registers per thread come from ``cuobjdump -res-usage``.
 """
@@ -133,9 +134,11 @@ def cases():
                      16 * c["G"] * c["BK"] / (32 * c["num_warps"]))
     c = options().config["amax_slices"]
     amax = dict(x_ptr="*bf16:D", amax_ptr="*i32:D", M="i32:D", K="i32:D", sxm="i32:D", sxk=1, ROW=True, COL_RHT=True,
-                SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], FB=c["FB"], EVEN=True, I64=False)
+                SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], FB=c["FB"], EVEN=True, I64=False,
+                STRIDED=False)
     for name, kw in [("amax pass (rowwise + columnwise RHT)", {}),
-                     ("amax pass: its FP32 path alone", dict(RHT_F64=False))]:
+                     ("amax pass: its FP32 path alone", dict(RHT_F64=False)),
+                     ("amax pass: grid-stride loop", dict(STRIDED=True))]:
         out[name] = (tk.amax_slices_kernel, dict(amax, **kw), c["num_warps"], 16 * c["G"] * c["BK"] / (32 * c["num_warps"]))
     return out
 
