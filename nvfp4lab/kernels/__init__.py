@@ -103,7 +103,7 @@ _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     # G=2 BK=128 w4: 57.2 vs 69.2 us at 8192^2; 16.3 vs 17.5, 45.6 vs 53.2, 36.1 vs 42.3 at 16384 x 768/3072/2304.
     # Four warps, not eight, since the last butterfly stage merged with its max (38499dc): alone, 5-12%
     # faster at seven shapes from 8192 x 768 to 8192^2 (13.2 vs 14.9 us at 8192 x 2304, 45.7 vs 49.5 at
-    # 8192^2); in the captured layer 1.5-3.0 us less at the five shapes of results/tile_sweep_nvidia_h200.json.
+    # 8192^2); in the captured layer 1.2-6.0 us less at the five shapes of results/tile_sweep_nvidia_h200.json.
     # programs_per_sm: at most that many programs per SM, each looping over tiles with the next one's
     # loads in flight (_amax_slices_programs; the loop takes 128-136 registers a thread, so three programs
     # of four warps fit an SM). H200, alone, against one program of four warps per tile: 12.2 vs 12.9 us

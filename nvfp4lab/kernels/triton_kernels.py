@@ -950,10 +950,10 @@ def amax_slices_kernel(x_ptr, amax_ptr, M, K, sxm, sxk,
     One program per tile (16·G rows × BK columns), or with STRIDED fewer: each takes the tiles
     ``pid, pid + P, pid + 2P, ...`` (P the grid's size) and loads the next one's slices before
     working on the current one's, so that its reads are in flight during the arithmetic, keeping
-    its running maxima for one atomic per amax at the end (H200, alone: 18-22% faster at
-    16384 × 2304, 16384 × 3072 and 8192² than one program per tile; the loop's registers, 128-136
-    instead of 80 for four warps, cost the grid of one program per tile a third of its speed, so it
-    runs without). The tiles in the grid's last round are the highest, as with one program per
+    its running maxima for one atomic per amax at the end (H200, alone, three programs per SM:
+    14-19% faster at 16384 × 2304, 16384 × 3072 and 8192² than one program per tile; the loop's
+    registers, 128-136 a thread instead of 80, made one program per tile a third slower at
+    8192 × 768, so that grid runs without the loop). The tiles in the grid's last round are the highest, as with one program per
     tile, so the quantize kernels that read in reverse order after it (``REVERSE``) still find the
     end of x in the L2.
 
