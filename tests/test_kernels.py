@@ -1006,13 +1006,10 @@ def test_amax_pass_grid_stride_equals_one_program_per_tile():
         M, K = x.shape
         n_tiles = (M // (16 * cfg["G"])) * -(-K // cfg["BK"])
 
-        def amax_pass(c):   # the launch of kernels._run, alone
+        def amax_pass(c):   # kernels._run's launch, alone
             buf = torch.zeros(2)
-            tk.amax_slices_kernel[(kernels._amax_slices_programs(c, n_tiles, x.device),)](
-                *kernels._amax_args(x, buf), ROW=True, COL_RHT=True, SIGN_MASK=kernels.sign_mask(WGRAD_SIGNS),
-                RHT_F64=True, ROUND_BF16=True, G=c["G"], BK=c["BK"], FB=c["FB"], EVEN=K % c["BK"] == 0,
-                I64=False, STRIDED=kernels._amax_slices_programs(c, n_tiles, x.device) < n_tiles,
-                num_warps=c["num_warps"])
+            kernels._launch_amax_slices(x, buf, c, row=True, mask=kernels.sign_mask(WGRAD_SIGNS), rht_f64=True,
+                                        round_bf16=True, i64=False)
             return buf.view(torch.int32)
 
         assert kernels._amax_slices_programs(cfg, n_tiles, x.device) < n_tiles   # the loop runs

@@ -566,6 +566,20 @@ def _amax_slices_programs(cfg: Mapping, n_tiles: int, device: torch.device) -> i
     return n_tiles if per_sm is None else min(n_tiles, per_sm * _sm_count(device))
 
 
+def _launch_amax_slices(x2: torch.Tensor, buf: torch.Tensor, cfg: Mapping, *, row: bool, mask: int, rht_f64: bool,
+                        round_bf16: bool, i64: bool) -> None:
+    """Launch ``amax_slices_kernel`` on x2 [M, K] (M % 16 == 0) into ``buf``: the columnwise
+    post-RHT amax into ``buf[1]``, and max |x| into ``buf[0]`` when ``row``; its tile and grid from
+    ``cfg`` (``config["amax_slices"]``, :func:`_amax_slices_programs`)."""
+    M, K = x2.shape
+    G, BK = cfg["G"], cfg["BK"]
+    n_tiles = _cdiv(M, 16 * G) * _cdiv(K, BK)
+    programs = _amax_slices_programs(cfg, n_tiles, x2.device)
+    _launch(_kernels().amax_slices_kernel, (programs,), *_amax_args(x2, buf), ROW=row, COL_RHT=True, SIGN_MASK=mask,
+            RHT_F64=rht_f64, ROUND_BF16=round_bf16, G=G, BK=BK, FB=min(cfg["FB"], BK),
+            EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64, STRIDED=programs < n_tiles, num_warps=cfg["num_warps"])
+
+
 def _rows_kernel_runs(x2: torch.Tensor, opts: "KernelOptions", row_rht: bool, block2d: bool) -> bool:
     """Whether the one-block-per-thread kernel makes a rowwise copy of x2 [M, K] that
     :func:`_run` quantizes alone (1x16 blocks, no RHT, ``K % 16 == 0``, unit column stride)."""
@@ -693,14 +707,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         do_row = need_row_amax or (need_col_amax and not col_rht)
         do_col_rht = need_col_amax and col_rht
         if do_col_rht and opts.slices and M % 16 == 0 and not row_rht:
-            a_cfg = config["amax_slices"]
-            G, BK = a_cfg["G"], a_cfg["BK"]
-            n_tiles = _cdiv(M, 16 * G) * _cdiv(K, BK)
-            programs = _amax_slices_programs(a_cfg, n_tiles, dev)
-            _launch(k.amax_slices_kernel, (programs,), *_amax_args(x2, buf), ROW=do_row, COL_RHT=True,
-                SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK, FB=min(a_cfg["FB"], BK),
-                EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64, STRIDED=programs < n_tiles,
-                num_warps=a_cfg["num_warps"])
+            _launch_amax_slices(x2, buf, config["amax_slices"], row=do_row, mask=mask, rht_f64=rf64,
+                                round_bf16=round_bf16, i64=i64)
         else:
             _launch_amax(x2, buf, config, row=do_row, row_rht=row_rht, col_rht=do_col_rht, mask=mask, rht_f64=rf64,
                          i64=i64)

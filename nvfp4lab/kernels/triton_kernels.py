@@ -580,27 +580,41 @@ def _load_slice_tile(x_ptr, M, K, sxm, sxk, G: tl.constexpr, BK: tl.constexpr, R
     """This program's tile of 16·G rows × BK columns of x [M, K] as 16 row slices
     ``xs[i] = x[16g + i, k]`` (float32, a tuple of 16 [G, BK] tensors), with the slices' first
     rows ``g`` [G], the columns [BK] and the tile index (pm, pk)."""
-    BM: tl.constexpr = 16 * G
-    pm, pk = _tile_index(M, K, BM, BK, REVERSE)
-    g = pm * BM + tl.arange(0, G) * 16
+    pm, pk = _tile_index(M, K, 16 * G, BK, REVERSE)
+    xs, g, cols = _slice_tile_at(x_ptr, M, K, sxm, sxk, pm, pk, G, BK, EVEN, I64)
+    return xs, g, cols, pm, pk
+
+
+@triton.jit
+def _slice_tile_at(x_ptr, M, K, sxm, sxk, pm, pk, G: tl.constexpr, BK: tl.constexpr, EVEN: tl.constexpr,
+                   I64: tl.constexpr, inside=None):
+    """Tile (pm, pk) of 16·G rows × BK columns of x [M, K] as 16 row slices (:func:`_load_slices`,
+    ``inside`` passed on), with the slices' first rows ``g`` [G] and the columns [BK]."""
+    g = pm * (16 * G) + tl.arange(0, G) * 16
     cols = pk * BK + tl.arange(0, BK)
     if I64:
         g = g.to(tl.int64)
         cols = cols.to(tl.int64)
-    return _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN), g, cols, pm, pk
+    return _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN, inside), g, cols
 
 
 @triton.jit
-def _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN: tl.constexpr):
+def _load_slices(x_ptr, M, K, sxm, sxk, g, cols, EVEN: tl.constexpr, inside=None):
     """The 16 row slices ``x[g + i, cols]`` (a tuple of 16 float32 [G, C] tensors) of x [M, K]
     (M % 16 == 0), for the slices' first rows ``g`` [G] and the columns ``cols`` [C]; zero where
-    out of bounds unless EVEN."""
+    out of bounds unless EVEN, and everywhere (no memory read) where a given boolean ``inside``
+    is false."""
     base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
-    if EVEN:
+    if EVEN and inside is None:
         xs = [tl.load(base + i * sxm).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     else:
-        lmask = (g[:, None] < M) & (cols[None, :] < K)
+        if EVEN:
+            lmask = tl.broadcast_to(inside, (g.shape[0], cols.shape[0]))
+        else:
+            lmask = (g[:, None] < M) & (cols[None, :] < K)
+            if inside is not None:
+                lmask = lmask & inside
         xs = [tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
               for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)]
     return tl.tuple(xs)
@@ -654,7 +668,7 @@ def _rht16_slices(xs, SIGN_MASK: tl.constexpr, F64: tl.constexpr, ROUND_BF16: tl
 
 @triton.jit
 def _slices_amax_bits(ys, SCALE: tl.constexpr = 1.0):
-    """NaN-propagating max |y| over 16 slices (a tuple of [G, BK] float32 tensors), times SCALE,
+    """NaN-propagating max |y| over slices (a tuple of [G, BK] float32 tensors, 16 or any number), times SCALE,
     as int32 bits.
 
     Each thread keeps a float max that propagates NaN (PTX ``max.NaN.f32``: one FMNMX with the
@@ -664,7 +678,7 @@ def _slices_amax_bits(ys, SCALE: tl.constexpr = 1.0):
     monotone in t, so ``max RN(SCALE·|y|) = RN(SCALE·max |y|)`` bit for bit, NaN and Inf
     included: the FP32 amax pass leaves the RHT's 1/4 out of its butterfly and scales here."""
     m = tl.abs(ys[0])
-    for i in tl.static_range(1, 16):
+    for i in tl.static_range(1, len(ys)):
         m = _max_nan(m, tl.abs(ys[i]))
     if SCALE != 1.0:
         m = m * SCALE
@@ -683,10 +697,7 @@ def _rht16_slices_amax_bits(xs, SIGN_MASK: tl.constexpr):
     this an inf. Only for :func:`amax_slices_kernel`'s certified path, which takes any non-finite
     maximum to the FP64 butterfly (:func:`_certain_bf16_max`)."""
     ys = _rht16_slices(xs, SIGN_MASK, False, False, False, 3)
-    m = tl.abs(ys[0]) + tl.abs(ys[8])
-    for i in tl.static_range(1, 8):
-        m = _max_nan(m, tl.abs(ys[i]) + tl.abs(ys[i + 8]))
-    return tl.max(tl.max((m * 0.25).to(tl.int32, bitcast=True), axis=1), axis=0)
+    return _slices_amax_bits(tl.tuple([tl.abs(ys[i]) + tl.abs(ys[i + 8]) for i in (0, 1, 2, 3, 4, 5, 6, 7)]), 0.25)
 
 
 @triton.jit
@@ -898,19 +909,8 @@ def _slices_at(x_ptr, M, K, sxm, sxk, t, n_k, G: tl.constexpr, BK: tl.constexpr,
     """The 16 row slices of tile ``t`` (row-major over tiles of 16·G rows × BK columns, ``n_k`` per
     row of tiles) of x [M, K], as :func:`_load_slices`; all zero (no memory read) where
     ``t`` is past the last tile."""
-    g = (t // n_k) * (16 * G) + tl.arange(0, G) * 16
-    cols = (t % n_k) * BK + tl.arange(0, BK)
-    if I64:
-        g = g.to(tl.int64)
-        cols = cols.to(tl.int64)
-    base = x_ptr + g[:, None] * sxm + cols[None, :] * sxk
-    inside = t < tl.cdiv(M, 16 * G) * n_k
-    if EVEN:
-        lmask = tl.broadcast_to(inside, (G, BK))
-    else:
-        lmask = inside & (g[:, None] < M) & (cols[None, :] < K)
-    return tl.tuple([tl.load(base + i * sxm, mask=lmask, other=0.0).to(tl.float32)
-                     for i in (0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15)])
+    return _slice_tile_at(x_ptr, M, K, sxm, sxk, t // n_k, t % n_k, G, BK, EVEN, I64,
+                          t < tl.cdiv(M, 16 * G) * n_k)[0]
 
 
 @triton.jit
