@@ -126,9 +126,9 @@ class NVFP4GemmQuantizer:
     def quantize_pair(self, x: torch.Tensor, row: dict[str, Any], col: dict[str, Any] | None = None, *,
                       generator: "torch.Generator | SRStream | None" = None, values: tuple[bool, bool] = (False, False),
                       col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
-                      amax_out: torch.Tensor | None = None):
+                      amax_out: torch.Tensor | None = None, gemm_with: tuple = (None, None)):
         return quantize_rowwise_columnwise(x, row, col, generator=generator, values=values, fallback=False,
-                                           col_out=col_out, amax_out=amax_out)
+                                           col_out=col_out, amax_out=amax_out, gemm_with=gemm_with)
 
     def matmul(self, a, b, *, out_dtype: torch.dtype = torch.float32,
                bias: torch.Tensor | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -308,7 +308,7 @@ def _quantize(state: _LayerState, gemm: str, operand: str, x: torch.Tensor, role
 
 def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, str],
                    col: tuple[str, str, str] | None, values: tuple[bool, bool], col_out: tuple | None = None,
-                   amax_out: torch.Tensor | None = None):
+                   amax_out: torch.Tensor | None = None, gemm_with: tuple = (None, None)):
     """Both copies of ``x2d`` from the quantizer's ``quantize_pair`` (None if it has none or declines).
 
     ``row`` / ``col``: (gemm, operand, role) of the rowwise and columnwise copies. ``values``: ask
@@ -319,6 +319,8 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
     ``col_out``: (data, scale, amax) for the columnwise copy to be written into (only the default
     quantizer's ``quantize_pair`` takes it: the packed forward runs only with it), or None.
     ``amax_out``: a zeroed float32 [2] buffer for the pair's amax kernel (same condition), or None.
+    ``gemm_with``: the (rowwise, columnwise) copies' GEMM partners, quantized before, whose GEMM
+    factors the kernels then compute (the default quantizer's ``gemm_with``; passed only to it).
     """
     pair_fn = getattr(state.quantizer, "quantize_pair", None)
     if pair_fn is None:
@@ -331,6 +333,8 @@ def _quantize_pair(state: _LayerState, x2d: torch.Tensor, row: tuple[str, str, s
         if _OBSERVERS:
             rng_state = gen.get_state()
     given = {k: v for k, v in (("col_out", col_out), ("amax_out", amax_out)) if v is not None}
+    if type(state.quantizer) is NVFP4GemmQuantizer and any(q is not None for q in gemm_with):
+        given["gemm_with"] = gemm_with
     if _OBSERVERS:
         values = tuple(bool(v) for v in values)
     pair = pair_fn(x2d, row_opts, col_opts, generator=gen, values=values, **given)
@@ -399,7 +403,8 @@ def _fprop(state: _LayerState, x2d: torch.Tensor, weight: torch.Tensor, bias: to
                         out_xt if need_wgrad else None, amax_out[0] if need_wgrad else None)
     pw = _quantize_pair(state, weight, ("fprop", "w", "weight"),
                         ("dgrad", "wt", "weight_columnwise") if need_dgrad else None, (True, False),
-                        out_wt if need_dgrad else None, amax_out[1] if need_dgrad else None) if px else None
+                        out_wt if need_dgrad else None, amax_out[1] if need_dgrad else None,
+                        (px[0], None)) if px else None   # (W's kernel also computes Fprop's alpha)
     if px is not None and pw is not None:
         (qx, qxt), (qw, qwt) = px, pw
     else:
@@ -474,7 +479,8 @@ def _bprop(state: _LayerState, dy: torch.Tensor, qxt, qwt, K: int, x_dtype: torc
     pdy = None
     if need_dgrad or need_wgrad:
         pdy = _quantize_pair(state, dy, ("dgrad", "dy", "grad_output_rowwise"),
-                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, ("only", "only"))
+                             ("wgrad", "dyt", "grad_output_columnwise") if need_wgrad else None, ("only", "only"),
+                             gemm_with=(qwt if need_dgrad else None, qxt if need_wgrad else None))
     if pdy is not None:
         qdy, qdyt = pdy
     elif (need_dgrad or need_wgrad) and bool(torch.isnan(dy).any()):

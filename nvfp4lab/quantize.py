@@ -208,6 +208,11 @@ class NVFP4Tensor:
             only with 4over6). Dequantization and the GEMM use ``6 · e4m3_max`` for 2688.
         row_scaled: :attr:`amax` is a float32 ``[M]`` vector, one amax per row (TE
             ``row_scaled_nvfp4``, ``global_amax_row``), instead of one 0-d value.
+        gemm_coef: optional ``(partner amax, coef)``: the float32 ``[2]`` (alpha, beta) device
+            tensor of the GEMM of this tensor with the operand whose :attr:`amax` is ``partner``
+            (that very tensor object), computed by the quantize kernels alongside this tensor
+            (``gemm_with`` of :func:`quantize_rowwise_columnwise`); :func:`nvfp4_matmul` of the
+            two reads it instead of launching a kernel for it. Not part of the format.
 
     Built by hand, the fields' types, dtypes and shapes are checked against ``shape`` and
     ``block`` (ValueError or TypeError naming the field; :meth:`__post_init__`), never their values.
@@ -226,6 +231,7 @@ class NVFP4Tensor:
     four_over_six: bool = False
     e4m3_max: int = 448
     row_scaled: bool = False
+    gemm_coef: tuple[torch.Tensor, torch.Tensor] | None = dataclasses.field(default=None, repr=False)
 
     def __post_init__(self):
         """Check the structure of the fields (types, dtypes, shapes; never their values, so no
@@ -266,6 +272,11 @@ class NVFP4Tensor:
         if self.rht_signs is not None and (not isinstance(self.rht_signs, torch.Tensor)
                                            or self.rht_signs.numel() != RHT_SIZE):
             raise ValueError(f"NVFP4Tensor: rht_signs must be a tensor of {RHT_SIZE} signs, got {self.rht_signs!r}")
+        if self.gemm_coef is not None and not (
+                isinstance(self.gemm_coef, tuple) and len(self.gemm_coef) == 2
+                and all(isinstance(t, torch.Tensor) and t.dtype == torch.float32 for t in self.gemm_coef)
+                and self.gemm_coef[1].shape == (2,)):
+            raise TypeError("NVFP4Tensor: gemm_coef must be (partner amax, float32 [2] coef) tensors or None")
 
     def _check_field(self, name: str, t, dtype: torch.dtype, shape: tuple) -> None:
         if not isinstance(t, torch.Tensor):
@@ -908,6 +919,7 @@ def quantize_rowwise_columnwise(
     fallback: bool = True,
     col_out: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None = None,
     amax_out: torch.Tensor | None = None,
+    gemm_with: tuple[NVFP4Tensor | None, NVFP4Tensor | None] = (None, None),
 ) -> tuple[NVFP4Tensor, NVFP4Tensor | None] | None:
     """The rowwise and the columnwise NVFP4 copies of ``x`` a training step needs.
 
@@ -955,6 +967,11 @@ def quantize_rowwise_columnwise(
             the copies' ``amax`` are then views of it (a ``col_out`` amax that is already the
             right view is not copied into). Used only where the kernels run
             (:func:`nvfp4lab.kernels.quantize_rowwise_columnwise`).
+        gemm_with: (rowwise, columnwise): the quantized operand (an :class:`NVFP4Tensor` made
+            before this call) that copy will be multiplied with by :func:`nvfp4_matmul`, or None.
+            Where the kernels make the pair, they also compute that GEMM's per-tensor factor (alpha) from
+            the two amaxes (:attr:`NVFP4Tensor.gemm_coef`; the GEMM then launches no kernel for
+            it): the same alpha, the same product.
 
     Raises:
         What :func:`quantize` raises, for either copy.
@@ -999,11 +1016,18 @@ def quantize_rowwise_columnwise(
             q_col = dataclasses.replace(q_col, values_bf16=values_t)
         return q_row, q_col
     block, rounding, col_rht, mask = args
+    partners = [None if q is None else q.amax for q in gemm_with]
+    for name, q, amax in zip(("rowwise", "columnwise"), gemm_with, partners):
+        if q is not None and not (isinstance(q, NVFP4Tensor) and amax.shape == () and amax.device == x.device):
+            raise ValueError(f"gemm_with's {name} partner must be an NVFP4Tensor with a 0-d amax on x's device")
+    coefs = [(amax, i == 1, torch.empty(2, dtype=torch.float32, device=x.device))
+             for i, amax in enumerate(partners) if amax is not None]
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
         generator=generator, values=tuple(values),
         col_out=None if col_out is None else col_out[:2], values_out=None if values_t is None else values_t.t(),
-        amax_out=amax_out)
+        amax_out=amax_out, coefs=coefs)
+    gemm_coef = {int(c): (amax, out) for amax, c, out in coefs}
     if col_out is not None:
         st = col_out[1].view(torch.float8_e4m3fn)
         amt = col_out[2] if col_out[2].data_ptr() == amt.data_ptr() else col_out[2].copy_(amt)
@@ -1013,10 +1037,10 @@ def quantize_rowwise_columnwise(
             values_t.t().copy_(kernels.block_values(d, s, M, K, block2d=True))
         v, vt = values_t.t(), values_t
     q_row = NVFP4Tensor(data=d, scale=s, amax=am, shape=x.shape, block=block, dtype=x.dtype,
-                        rounding=rounding, values_bf16=v)
+                        rounding=rounding, values_bf16=v, gemm_coef=gemm_coef.get(0))
     q_col = NVFP4Tensor(data=dt, scale=st, amax=amt, shape=torch.Size([K, M]), block=block, dtype=x.dtype,
                         rht=col_rht, rht_signs=_signs(col.get("rht_signs", WGRAD_SIGNS)) if col_rht else None,
-                        rounding=rounding, values_bf16=vt)
+                        rounding=rounding, values_bf16=vt, gemm_coef=gemm_coef.get(1))
     return q_row, q_col
 
 
@@ -1086,9 +1110,18 @@ def nvfp4_matmul(a: NVFP4Tensor, b: NVFP4Tensor, out_dtype: torch.dtype = torch.
     if a.rows * a.cols * b.rows and kernels.covers_gemm(a.device, b.device, out_dtype, bias):
         # BF16 block values (exact) and a cuBLAS BF16 GEMM with FP32 accumulation, then alpha, bias, cast.
         return kernels.gemm(a.block_values(torch.bfloat16), b.block_values(torch.bfloat16), a.amax, b.amax,
-                            out_dtype, bias, out=out)
+                            out_dtype, bias, out=out, coef=_gemm_coef(a, b))
     acc = a.block_values(torch.float32) @ b.block_values(torch.float32).T
     return _into(out, _gemm_epilogue(acc, a.amax, b.amax, out_dtype, bias))
+
+
+def _gemm_coef(a: NVFP4Tensor, b: NVFP4Tensor) -> torch.Tensor | None:
+    """The (alpha, beta) of the GEMM of ``a`` and ``b`` that the kernels computed with one of them
+    (:attr:`NVFP4Tensor.gemm_coef` naming the other's amax), or None."""
+    for t, other in ((a, b), (b, a)):
+        if t.gemm_coef is not None and t.gemm_coef[0] is other.amax:
+            return t.gemm_coef[1]
+    return None
 
 
 def _into(out: torch.Tensor | None, t: torch.Tensor) -> torch.Tensor:

@@ -23,6 +23,7 @@ from nvfp4lab import kernels  # noqa: E402
 from nvfp4lab.testing import assert_nvfp4_equal, rht_rounding_boundary_block
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.hadamard import WGRAD_SIGNS  # noqa: E402
+from nvfp4lab.rounding import SRStream  # noqa: E402
 from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
 from nvfp4lab.quantize import (  # noqa: E402
     block_encode_scales, nvfp4_matmul, quantize, quantize_rowwise_columnwise, uses_kernels)
@@ -726,8 +727,6 @@ def test_sr_stream_keys_are_read_in_place_and_advanced_once_per_quantization():
     """With an SRStream the kernels read the next keys in place and the stream advances once per
     quantization (rowwise and columnwise copies share one call's two keys): call c of a stream
     equals call 0 of a stream restored to counter c, and the counter counts the calls."""
-    from nvfp4lab.rounding import SRStream
-
     x = _x((32, 64), torch.bfloat16, seed=5)
     s = SRStream(3)
     first = fast(x, rounding="stochastic", generator=s)
@@ -1020,6 +1019,36 @@ def test_amax_pass_grid_stride_equals_one_program_per_tile():
         else:
             want = ref(quantize_rowwise_columnwise, x, dict(block="1d"), dict(block="1d", rht=True))
             assert torch.equal(got, torch.stack([want[0].amax, want[1].amax]).view(torch.int32)), (x.shape, got)
+
+
+def test_pairs_compute_their_gemm_factors():
+    """``gemm_with``: the quantize kernels write each named GEMM's (alpha, 0) with alpha =
+    RN(RN(amax_a · amax_b) / (6²·448²)) (the factor :func:`nvfp4_matmul` uses), from the partner's
+    amax and the copy's own: by the 16-slice kernel (X's, W's and dY's pairs of a layer) and by
+    a kernel of its own where the last kernel is another (M not a multiple of 16, no RHT); the
+    result names its partner's amax (:attr:`NVFP4Tensor.gemm_coef`), and a partner that is not
+    an NVFP4Tensor is refused."""
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    opts = NVFP4Recipe().quantize_options
+    x, w, dy = _x((64, 128), torch.bfloat16, seed=1), _x((96, 128), torch.bfloat16, seed=2), \
+        _x((64, 96), torch.bfloat16, seed=3, scale=1e-3)
+    qx, qxt = quantize_rowwise_columnwise(x, opts("input_rowwise"), opts("input_columnwise"), values=("only", False))
+    qw, qwt = quantize_rowwise_columnwise(w, opts("weight"), opts("weight_columnwise"), values=(True, False),
+                                          gemm_with=(qx, None))
+    qdy, qdyt = quantize_rowwise_columnwise(dy, opts("grad_output_rowwise"), opts("grad_output_columnwise"),
+                                            generator=SRStream(3), values=("only", "only"), gemm_with=(qwt, qxt))
+    plain = dict(block="1d", rounding="nearest")
+    y = _x((40, 64), torch.float32, seed=4)   # 40 rows: the columnwise copy is not the 16-slice kernel's
+    qy, qyt = quantize_rowwise_columnwise(y, plain, plain, gemm_with=(qdy, qdyt))
+    assert qwt.gemm_coef is None and qxt.gemm_coef is None
+    for q, partner in ((qw, qx), (qdy, qwt), (qdyt, qxt), (qy, qdy), (qyt, qdyt)):
+        got_partner, coef = q.gemm_coef
+        assert got_partner is partner.amax
+        want = (partner.amax * q.amax) / (6 * 6 * 448 * 448)   # float32: two roundings, as the kernel
+        assert torch.equal(coef, torch.stack([want, torch.zeros_like(want)])), (coef, want)
+    with pytest.raises(ValueError, match="gemm_with"):
+        quantize_rowwise_columnwise(w, opts("weight"), opts("weight_columnwise"), gemm_with=(x, None))
 
 
 def test_rht_is_exact_where_an_fp32_butterfly_is_not():

@@ -50,7 +50,7 @@ import itertools
 import math
 import os
 from types import MappingProxyType
-from typing import Any, Callable, Iterator, Mapping
+from typing import Any, Callable, Iterator, Mapping, Sequence
 
 import torch
 
@@ -671,7 +671,8 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
          sr: bool, mask: int, generator, amax_row, amax_col, values: tuple[bool, bool] = (False, False),
          on_amax: Callable[[torch.Tensor], Any] | None = None,
          col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
-         amax_out: torch.Tensor | None = None, row_codes: bool = True, col_codes: bool = True):
+         amax_out: torch.Tensor | None = None, row_codes: bool = True, col_codes: bool = True,
+         coefs: Sequence[tuple[torch.Tensor, bool, torch.Tensor]] = ()):
     """Launch the amax (if needed) and quantize kernels on x2 [M, K]; return raw outputs.
 
     ``values``: also write the BF16 block values of the (rowwise, columnwise) copy where the
@@ -686,7 +687,13 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     :func:`check_col_out`, or None for new tensors. ``values_out``: a contiguous BF16 [M, K] tensor
     for the rowwise values (with ``values[0]``) to be written into, or None for a new one.
     ``amax_out``: a zeroed float32 [2] tensor the amax kernel accumulates into (as
-    :func:`_amax_buffer`'s), or None for one of the pool's."""
+    :func:`_amax_buffer`'s), or None for one of the pool's. ``coefs``: at most two
+    ``(partner amax, columnwise, out)``: write into ``out`` (float32 [2]) the (alpha, beta) of the
+    GEMM of this pair's rowwise (``columnwise`` False) or columnwise copy with an operand of amax
+    ``partner`` (0-d float32, final before this call's kernels run): by the last quantize kernel
+    where that is the 16-slice kernel, else by :func:`gemm_alpha_kernel` launches after it."""
+    if len(coefs) > 2:
+        raise ValueError(f"at most two GEMM factors per call, got {len(coefs)}")
     k = _kernels()
     M, K = x2.shape
     dev = x2.device
@@ -750,7 +757,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     def new_values() -> torch.Tensor:
         return values_out if values_out is not None else torch.empty(M, K, dtype=torch.bfloat16, device=dev)
 
-    def launch(row_: bool, col_: bool) -> None:
+    def launch(row_: bool, col_: bool, last: bool) -> None:
         if row_ and not col_ and rows_kernel:
             v = new_values() if values[0] else None
             _launch_rows(x2, _rows_args(x2, a_row, seeds, dummy if d is None else d, dummy.view(u8) if s is None else s,
@@ -764,16 +771,22 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
             G, BK = cfg["G"], cfg["BK"]
             v = new_values() if values[0] and row_ and block2d else None
             vt = torch.empty(K, M, dtype=torch.bfloat16, device=dev) if values[1] else None
+            folded = coefs if last else ()
+            c_args = [a for p, c, o in folded for a in (p.reshape(1), (a_col if c else a_row), o)]
+            c_args += [dummy] * (6 - len(c_args))
             _launch(k.quantize_slices_kernel, (_cdiv(M, 16 * G) * _cdiv(K, BK),),
                 x2, M, K, x2.stride(0), x2.stride(1), a_row, a_col, seeds,
                 d if row_ else dummy, s if row_ else dummy, dummy.view(torch.int32) if dt is None else dt.view(torch.int32),
                 dummy.view(u8) if st is None else st,
                 dummy if v is None else v.view(torch.int16), dummy if vt is None else vt.view(torch.int16),
-                Kh, K16, Mh // 4, M16, K, M, _INV6, VALUES_ROW=v is not None, VALUES_COL=vt is not None,
+                Kh, K16, Mh // 4, M16, K, M, _INV6, *c_args, _GEMM_FACTOR, VALUES_ROW=v is not None,
+                VALUES_COL=vt is not None,
                 ROW=row_, COL=col_, COL_RHT=col_rht, BLOCK2D=block2d, SR=sr,
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, G=G, BK=BK,
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
-                EVEN=even(16 * G, BK), I64=i64, COL_CODES=col_codes or not col_, num_warps=cfg["num_warps"])
+                EVEN=even(16 * G, BK), I64=i64, COL_CODES=col_codes or not col_, N_COEF=len(folded),
+                num_warps=cfg["num_warps"])
+            done_coefs.extend(folded)
             if v is not None:
                 out_v[0] = v
             out_v[1] = vt
@@ -789,11 +802,16 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
                 EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"])
 
+    done_coefs: list = []
     if split:
-        launch(True, False)
-        launch(False, True)
+        launch(True, False, False)
+        launch(False, True, True)
     else:
-        launch(row, col)
+        launch(row, col, True)
+    for partner, c, out in coefs:   # those no 16-slice kernel wrote
+        if not any(out is o for _, _, o in done_coefs):
+            _launch(k.gemm_alpha_kernel, (1,), partner.reshape(1), (a_col if c else a_row).reshape(1), out,
+                    _GEMM_FACTOR, num_warps=1)
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernels that read its keys in place (same stream)
     f8 = torch.float8_e4m3fn
@@ -926,7 +944,7 @@ def quantize_rowwise_columnwise(
     generator: torch.Generator | None = None, amax: torch.Tensor | None = None,
     amax_t: torch.Tensor | None = None, values: tuple[bool | str, bool | str] = (False, False),
     col_out: tuple[torch.Tensor, torch.Tensor] | None = None, values_out: torch.Tensor | None = None,
-    amax_out: torch.Tensor | None = None,
+    amax_out: torch.Tensor | None = None, coefs: Sequence[tuple[torch.Tensor, bool, torch.Tensor]] = (),
 ) -> tuple[torch.Tensor | None, ...]:
     """Both NVFP4 copies a training step needs from ``x`` [..., K], one read of ``x`` per kernel.
 
@@ -959,6 +977,12 @@ def quantize_rowwise_columnwise(
             results' amaxes are views of it), or None for a buffer of the kernels' own: a caller
             that keeps the amaxes in a buffer of its own, zeroed once for several pairs, saves the
             fills and copies. Not read when both amaxes are given.
+        coefs: at most two ``(partner amax, columnwise, out)``: the (alpha, beta) of the GEMM of
+            the rowwise (``columnwise`` False) or columnwise copy with an operand whose amax is
+            ``partner`` (a 0-d float32 tensor on ``x``'s device, already computed) are written
+            into ``out`` (a float32 ``[2]`` tensor there), for :func:`gemm`'s ``coef``: by the last
+            quantize kernel where that is the 16-slice kernel (no launch of their own), else by
+            one small kernel each.
 
     Returns:
         ``(data, scale, amax, data_t, scale_t, amax_t, values, values_t)``: as
@@ -983,7 +1007,7 @@ def quantize_rowwise_columnwise(
         x2, row=True, col=True, row_rht=False, col_rht=rht, block2d=block2d, sr=sr, mask=sign_mask,
         generator=generator, amax_row=amax, amax_col=amax_t, values=(bool(values[0]), bool(values[1])),
         col_out=col_out, values_out=values_out, amax_out=amax_out, row_codes=values[0] != "only",
-        col_codes=values[1] != "only")
+        col_codes=values[1] != "only", coefs=coefs)
     if block2d and vt is None and v is not None:
         vt = v.t()  # 2D: the columnwise copy is the exact transpose of the rowwise one (no extra pass)
     return d, s, am, dt, st, amt, v, vt
@@ -1060,7 +1084,7 @@ def covers_gemm(device_a: torch.device, device_b: torch.device, out_dtype: torch
 
 def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, amax_b: torch.Tensor,
          out_dtype: torch.dtype = torch.float32, bias: torch.Tensor | None = None,
-         out: torch.Tensor | None = None) -> torch.Tensor:
+         out: torch.Tensor | None = None, coef: torch.Tensor | None = None) -> torch.Tensor:
     """The emulated NVFP4 GEMM ``cast(RN(RN(acc · alpha) + bias))`` from BF16 block values.
 
     ``a_values`` [M, K] and ``b_values`` [N, K] are the BF16 block values (``code × block
@@ -1072,7 +1096,10 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
     cuBLAS applies alpha itself, read from device memory (:mod:`nvfp4lab.kernels.cublas`);
     otherwise the GEMM writes FP32 and one epilogue kernel does the rest. Call only where
     :func:`covers_gemm` is true. ``out``: a contiguous [M, N] tensor of ``out_dtype`` to write the
-    result into (what :mod:`nvfp4lab.cuda_graphs` replays into), or None for a new one.
+    result into (what :mod:`nvfp4lab.cuda_graphs` replays into), or None for a new one. ``coef``:
+    the float32 [2] (alpha, beta) of these amaxes already on the device (written by the quantize
+    kernels, :func:`quantize_rowwise_columnwise`'s ``coefs``), for the cuBLAS path to read instead
+    of computing them in a launch of its own; None to compute them.
 
     A fused GEMM reading the packed FP4 operands was not written: the emulation's GEMM is
     compute-bound (the BF16 tensor-core rate is its ceiling) and a Triton mixed-input GEMM would
@@ -1083,8 +1110,9 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
         from . import cublas
 
         if cublas.available():
-            coef = torch.empty(2, dtype=torch.float32, device=a_values.device)
-            _launch(_kernels().gemm_alpha_kernel, (1,), am_a, am_b, coef, _GEMM_FACTOR, num_warps=1)
+            if coef is None:
+                coef = torch.empty(2, dtype=torch.float32, device=a_values.device)
+                _launch(_kernels().gemm_alpha_kernel, (1,), am_a, am_b, coef, _GEMM_FACTOR, num_warps=1)
             done = cublas.gemm_device_alpha(a_values, b_values, coef, out_dtype, out)
             if done is not None:
                 return done

@@ -745,12 +745,14 @@ def _store_slices_transposed(vt_ptr, vt_rs, vs, cols, pm, M, K, G: tl.constexpr,
 def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
                            d_ptr, s_ptr, dt32_ptr, st_ptr, v_ptr, vt_ptr,
                            d_rs, s_rs, dt32_rs, st_rs, v_rs, vt_rs, inv6,
+                           p0_ptr, o0_ptr, c0_ptr, p1_ptr, o1_ptr, c1_ptr, gemm_factor,
                            VALUES_ROW: tl.constexpr, VALUES_COL: tl.constexpr,
                            ROW: tl.constexpr, COL: tl.constexpr, COL_RHT: tl.constexpr,
                            BLOCK2D: tl.constexpr, SR: tl.constexpr, SIGN_MASK: tl.constexpr,
                            RHT_F64: tl.constexpr, ROUND_BF16: tl.constexpr,
                            G: tl.constexpr, BK: tl.constexpr, REVERSE: tl.constexpr, E2M1_BITS: tl.constexpr,
-                           EVEN: tl.constexpr, I64: tl.constexpr, COL_CODES: tl.constexpr = True):
+                           EVEN: tl.constexpr, I64: tl.constexpr, COL_CODES: tl.constexpr = True,
+                           N_COEF: tl.constexpr = 0):
     """Rowwise and/or columnwise quantization of x [M, K] (M % 16 == 0) from one read.
 
     The tile (16·G rows × BK columns) is loaded as 16 slices ``xs[i] = x[16g + i, k]`` of shape
@@ -766,7 +768,19 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     row (5% faster on an H200 at 8192², commit 908a420). With VALUES_COL and not COL_CODES (1x16
     blocks) the columnwise copy is its values alone, made as the rowwise kernel's CODES=False
     makes them (:func:`_grid_values_bits`): no codes, no scales.
+
+    With N_COEF (1 or 2) program 0 also writes the per-tensor factors of the GEMMs that the copies
+    it makes enter, whose amaxes are final before it starts: ``c_i = (alpha, 0)`` with alpha of
+    the amaxes at ``p_i_ptr`` (the other operand's) and ``o_i_ptr`` (this copy's)
+    (:func:`gemm_alpha_kernel`'s numbers, without a launch of their own).
     """
+    if N_COEF > 0:
+        if tl.program_id(0) == 0:
+            tl.store(c0_ptr, _gemm_alpha(p0_ptr, o0_ptr, gemm_factor))
+            tl.store(c0_ptr + 1, 0.0)
+            if N_COEF > 1:
+                tl.store(c1_ptr, _gemm_alpha(p1_ptr, o1_ptr, gemm_factor))
+                tl.store(c1_ptr + 1, 0.0)
     BM: tl.constexpr = 16 * G
     xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, REVERSE, EVEN, I64)
     K16 = (K + 15) // 16

@@ -384,6 +384,33 @@ def test_matmul_fast_cublas_alpha_equals_epilogue_path(out_dtype):
     assert torch.isnan(nvfp4_matmul(a, b, out_dtype=out_dtype)).all()
 
 
+def test_gemm_factor_from_the_quantize_kernels_gives_the_same_products():
+    """The layer's three GEMMs with their per-tensor factors written by the quantize kernels
+    (``gemm_with``: W's kernel for Fprop, dY's for Dgrad and Wgrad) give the bits of the same
+    GEMMs computing the factors in a launch of their own (``gemm_coef`` dropped)."""
+    import dataclasses
+
+    from nvfp4lab.recipe import NVFP4Recipe
+
+    r = NVFP4Recipe()
+    opts = r.quantize_options
+    x = _x((2048, 768), torch.bfloat16, seed=31)
+    w = _x((2304, 768), torch.bfloat16, seed=32)
+    dy = _x((2048, 2304), torch.bfloat16, seed=33, scale=1e-3)
+    qx, qxt = quantize_rowwise_columnwise(x, opts("input_rowwise"), opts("input_columnwise"), values=("only", False))
+    qw, qwt = quantize_rowwise_columnwise(w, opts("weight"), opts("weight_columnwise"), values=(True, False),
+                                          gemm_with=(qx, None))
+    qdy, qdyt = quantize_rowwise_columnwise(dy, opts("grad_output_rowwise"), opts("grad_output_columnwise"),
+                                            generator=SRStream(3, device=DEV), values=("only", "only"),
+                                            gemm_with=(qwt, qxt))
+    for a, b, folded in ((qx, qw, qw), (qdy, qwt, qdy), (qdyt, qxt, qdyt)):
+        assert folded.gemm_coef is not None
+        plain = dataclasses.replace(folded, gemm_coef=None)
+        unfolded = (plain, b) if folded is a else (a, plain)
+        assert torch.equal(nvfp4_matmul(a, b, out_dtype=torch.bfloat16),
+                           nvfp4_matmul(*unfolded, out_dtype=torch.bfloat16))
+
+
 def test_default_nvfp4linear_takes_the_fused_path(fused_pair_calls):
     """On CUDA the default quantizer quantizes X, W and dY once each for both copies and
     agrees with the operand-by-operand reference (FP32 accumulation order only); a NaN in X
