@@ -976,12 +976,19 @@ def quantize_rowwise_columnwise(
     Raises:
         What :func:`quantize` raises, for either copy.
         ValueError: ``col_out`` without ``col``, or not as described; ``values`` not a pair of
-            False, True or ``"only"``.
+            False, True or ``"only"``; ``gemm_with`` not a pair of None or NVFP4Tensors with a 0-d
+            amax on ``x``'s device.
     """
     if not (isinstance(values, (tuple, list)) and len(values) == 2
             and all(isinstance(v, str) and v == "only" or not isinstance(v, str) and v in (False, True)
                     for v in values)):
         raise ValueError(f"values must be a pair of False, True or 'only', got {values!r}")
+    if not (isinstance(gemm_with, (tuple, list)) and len(gemm_with) == 2):
+        raise ValueError(f"gemm_with must be a pair (rowwise partner, columnwise partner), got {gemm_with!r}")
+    for name, q in zip(("rowwise", "columnwise"), gemm_with):
+        if q is not None and not (isinstance(q, NVFP4Tensor) and q.amax.shape == () and q.amax.device == x.device):
+            raise ValueError(f"gemm_with's {name} partner must be an NVFP4Tensor with a 0-d amax on x's device")
+    partners = [None if q is None else q.amax for q in gemm_with]
     if col is None:
         if col_out is not None:
             raise ValueError("col_out is given but col is None: there is no columnwise copy to write")
@@ -1016,10 +1023,6 @@ def quantize_rowwise_columnwise(
             q_col = dataclasses.replace(q_col, values_bf16=values_t)
         return q_row, q_col
     block, rounding, col_rht, mask = args
-    partners = [None if q is None else q.amax for q in gemm_with]
-    for name, q, amax in zip(("rowwise", "columnwise"), gemm_with, partners):
-        if q is not None and not (isinstance(q, NVFP4Tensor) and amax.shape == () and amax.device == x.device):
-            raise ValueError(f"gemm_with's {name} partner must be an NVFP4Tensor with a 0-d amax on x's device")
     coefs = [(amax, i == 1, torch.empty(2, dtype=torch.float32, device=x.device))
              for i, amax in enumerate(partners) if amax is not None]
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
