@@ -186,7 +186,7 @@ def quantize_fp4(
         scale_format: how each block's decode scale is stored:
             ``"e4m3"`` FP8 E4M3 (NVFP4); ``"e8m0"`` a power of two (MX);
             ``"fp32"`` the exact ``block_amax / 6`` (an idealised reference that
-            costs 32 bits per block).
+            costs 32 bits per block; each value is divided by it).
         tensor_scale: only for ``"e4m3"``: use NVFP4's FP32 per-tensor scale
             (default ``True``), computed in TE's exact order
             (:func:`nvfp4lab.quantize.block_decode_scales`); ``False`` gives
@@ -272,12 +272,16 @@ def quantize_fp4(
         enc = torch.minimum(torch.reciprocal(scales), flt_max)
     elif scale_format == "fp32":
         scales = block_amax / E2M1_MAX
-        enc = torch.where(scales > 0, torch.reciprocal(scales), torch.zeros_like(scales))
+        enc = None   # x / scale itself: 1 / scale overflows FP32 where the scale is subnormal (amax < 6·2^-126)
     else:  # e8m0
         e = _e8m0_exponents(block_amax, scale_rule)
         scales = torch.ldexp(torch.ones_like(block_amax), e)
         enc = torch.ldexp(torch.ones_like(block_amax), -e)  # exact: a power of two
-    y = (blocks * enc[:, :, None]).reshape(M, -1)[:, :Kx]
+    if enc is None:
+        s3 = scales[:, :, None]
+        y = torch.where(s3 > 0, blocks / torch.where(s3 > 0, s3, 1.0), 0.0).reshape(M, -1)[:, :Kx]
+    else:
+        y = (blocks * enc[:, :, None]).reshape(M, -1)[:, :Kx]
     if rounding == "nearest":
         codes = encode_e2m1(y)
     else:

@@ -213,6 +213,7 @@ def test_bad_inputs():
     st.sampled_from([(4, "fp32"), (16, "e4m3"), (32, "e8m0"), (None, "fp32"), (7, "e4m3")]),
 )
 @example([0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 896.0, 0.001953125], (7, "e4m3"))  # found by CI: a flushed block
+@example([0.0, 1.1754943508222875e-38], (4, "fp32"))  # found by CI: a subnormal FP32 scale (1/scale overflows)
 def test_error_bounded_by_block_amax(values, cfg):
     block_size, fmt = cfg
     x = torch.tensor(values, dtype=torch.float32)[None]
