@@ -109,7 +109,8 @@ def cases():
               amaxt_ptr="*fp32:D", seed_ptr="*i64:D", d_ptr="*u8:D", s_ptr="*u8:D", dt32_ptr="*i32:D", st_ptr="*u8:D",
               v_ptr="*i16:D", vt_ptr="*i16:D", d_rs="i32:D", s_rs="i32:D", dt32_rs="i32:D", st_rs="i32:D",
               v_rs="i32:D", vt_rs="i32:D", inv6="fp32", p0_ptr="*fp32:D", o0_ptr="*fp32:D", c0_ptr="*fp32:D",
-              p1_ptr="*fp32:D", o1_ptr="*fp32:D", c1_ptr="*fp32:D", gemm_factor="fp32", N_COEF=0, SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True,
+              p1_ptr="*fp32:D", o1_ptr="*fp32:D", c1_ptr="*fp32:D", gemm_factor="fp32", N_COEF=0,
+              SIGN_MASK=0x8C9A, RHT_F64=True, ROUND_BF16=True,
               REVERSE=False, E2M1_BITS=True, EVEN=True, I64=False, COL_CODES=True)
     out = {}
     for name, key, kw in [("rowwise 1x16 RNE", "rows", dict(SR=False, VALUES=False)),
