@@ -278,8 +278,8 @@ def quantize_fp4(
         scales = torch.ldexp(torch.ones_like(block_amax), e)
         enc = torch.ldexp(torch.ones_like(block_amax), -e)  # exact: a power of two
     if enc is None:
-        s3 = scales[:, :, None]
-        y = torch.where(s3 > 0, blocks / torch.where(s3 > 0, s3, 1.0), 0.0).reshape(M, -1)[:, :Kx]
+        # a zero scale means an all-zero block: divide it by 1 (its zeros keep their signs, as before)
+        y = (blocks / torch.where(scales > 0, scales, 1.0)[:, :, None]).reshape(M, -1)[:, :Kx]
     else:
         y = (blocks * enc[:, :, None]).reshape(M, -1)[:, :Kx]
     if rounding == "nearest":

@@ -580,6 +580,13 @@ def _launch_amax_slices(x2: torch.Tensor, buf: torch.Tensor, cfg: Mapping, *, ro
             EVEN=(M % (16 * G) == 0 and K % BK == 0), I64=i64, STRIDED=programs < n_tiles, num_warps=cfg["num_warps"])
 
 
+def _launch_gemm_alpha(amax_a: torch.Tensor, amax_b: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """Launch ``gemm_alpha_kernel``: ``out`` (float32 [2]) gets the (alpha, beta) of a GEMM whose
+    operands have the float32 amaxes ``amax_a`` and ``amax_b`` (one element each); returns ``out``."""
+    _launch(_kernels().gemm_alpha_kernel, (1,), amax_a.reshape(1), amax_b.reshape(1), out, _GEMM_FACTOR, num_warps=1)
+    return out
+
+
 def _rows_kernel_runs(x2: torch.Tensor, opts: "KernelOptions", row_rht: bool, block2d: bool) -> bool:
     """Whether the one-block-per-thread kernel makes a rowwise copy of x2 [M, K] that
     :func:`_run` quantizes alone (1x16 blocks, no RHT, ``K % 16 == 0``, unit column stride)."""
@@ -691,7 +698,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     ``(partner amax, columnwise, out)``: write into ``out`` (float32 [2]) the (alpha, beta) of the
     GEMM of this pair's rowwise (``columnwise`` False) or columnwise copy with an operand of amax
     ``partner`` (0-d float32, final before this call's kernels run): by the last quantize kernel
-    where that is the 16-slice kernel, else by :func:`gemm_alpha_kernel` launches after it."""
+    where that is the 16-slice kernel, else by :func:`_launch_gemm_alpha` after it."""
     if len(coefs) > 2:
         raise ValueError(f"at most two GEMM factors per call, got {len(coefs)}")
     k = _kernels()
@@ -810,8 +817,7 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
         launch(row, col, True)
     for partner, c, out in coefs:   # those no 16-slice kernel wrote
         if not any(out is o for _, _, o in done_coefs):
-            _launch(k.gemm_alpha_kernel, (1,), partner.reshape(1), (a_col if c else a_row).reshape(1), out,
-                    _GEMM_FACTOR, num_warps=1)
+            _launch_gemm_alpha(partner, a_col if c else a_row, out)
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernels that read its keys in place (same stream)
     f8 = torch.float8_e4m3fn
@@ -1111,8 +1117,7 @@ def gemm(a_values: torch.Tensor, b_values: torch.Tensor, amax_a: torch.Tensor, a
 
         if cublas.available():
             if coef is None:
-                coef = torch.empty(2, dtype=torch.float32, device=a_values.device)
-                _launch(_kernels().gemm_alpha_kernel, (1,), am_a, am_b, coef, _GEMM_FACTOR, num_warps=1)
+                coef = _launch_gemm_alpha(am_a, am_b, torch.empty(2, dtype=torch.float32, device=a_values.device))
             done = cublas.gemm_device_alpha(a_values, b_values, coef, out_dtype, out)
             if done is not None:
                 return done

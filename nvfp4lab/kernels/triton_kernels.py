@@ -772,15 +772,13 @@ def quantize_slices_kernel(x_ptr, M, K, sxm, sxk, amax_ptr, amaxt_ptr, seed_ptr,
     With N_COEF (1 or 2) program 0 also writes the per-tensor factors of the GEMMs that the copies
     it makes enter, whose amaxes are final before it starts: ``c_i = (alpha, 0)`` with alpha of
     the amaxes at ``p_i_ptr`` (the other operand's) and ``o_i_ptr`` (this copy's)
-    (:func:`gemm_alpha_kernel`'s numbers, without a launch of their own).
+    (:func:`_store_gemm_coef`, without a launch of its own).
     """
     if N_COEF > 0:
         if tl.program_id(0) == 0:
-            tl.store(c0_ptr, _gemm_alpha(p0_ptr, o0_ptr, gemm_factor))
-            tl.store(c0_ptr + 1, 0.0)
+            _store_gemm_coef(p0_ptr, o0_ptr, c0_ptr, gemm_factor)
             if N_COEF > 1:
-                tl.store(c1_ptr, _gemm_alpha(p1_ptr, o1_ptr, gemm_factor))
-                tl.store(c1_ptr + 1, 0.0)
+                _store_gemm_coef(p1_ptr, o1_ptr, c1_ptr, gemm_factor)
     BM: tl.constexpr = 16 * G
     xs, g, cols, pm, pk = _load_slice_tile(x_ptr, M, K, sxm, sxk, G, BK, REVERSE, EVEN, I64)
     K16 = (K + 15) // 16
@@ -1010,11 +1008,17 @@ def _gemm_alpha(amax_a_ptr, amax_b_ptr, gemm_factor):
 
 
 @triton.jit
-def gemm_alpha_kernel(amax_a_ptr, amax_b_ptr, out_ptr, gemm_factor):
+def _store_gemm_coef(amax_a_ptr, amax_b_ptr, out_ptr, gemm_factor):
     """``out[0] = alpha`` (:func:`_gemm_alpha`) and ``out[1] = 0``: the (alpha, beta) device scalars
     of the cuBLAS GEMM that applies alpha in its epilogue (:mod:`nvfp4lab.kernels.cublas`)."""
     tl.store(out_ptr, _gemm_alpha(amax_a_ptr, amax_b_ptr, gemm_factor))
     tl.store(out_ptr + 1, 0.0)
+
+
+@triton.jit
+def gemm_alpha_kernel(amax_a_ptr, amax_b_ptr, out_ptr, gemm_factor):
+    """:func:`_store_gemm_coef` in a launch of its own (one program)."""
+    _store_gemm_coef(amax_a_ptr, amax_b_ptr, out_ptr, gemm_factor)
 
 
 @triton.jit
