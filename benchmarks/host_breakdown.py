@@ -34,6 +34,7 @@ from nvfp4lab.rounding import SRStream  # noqa: E402
 from nvfp4lab.timing import graph_ms  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
+_BENCH_OPS = torch.library.Library("nvfp4lab_bench", "FRAGMENT")
 
 
 def host_us(fn: Callable[[], Any], calls: int = 400, repeats: int = 5) -> float:
@@ -87,6 +88,10 @@ def main(argv: list[str] | None = None) -> int:
             return g
 
     fwd_bwd = _fwd_bwd(layer, xg, dy)   # the step of the API benchmark
+    def _no_grad(fn, *a):
+        with torch.no_grad():
+            return fn(*a)
+
     def no_grad_fwd():
         with torch.no_grad():
             layer(xg)
@@ -104,6 +109,14 @@ def main(argv: list[str] | None = None) -> int:
         with torch.autocast(device_type="cuda", enabled=False):
             pass
 
+    # one no-op operator registered both ways: what the registration itself costs per call
+    @torch.library.custom_op("nvfp4lab_bench::noop_decorated", mutates_args=())
+    def _noop_decorated(a: torch.Tensor, n: int) -> torch.Tensor:
+        return a.new_empty(0)
+
+    torch.library.define("nvfp4lab_bench::noop_defined", "(Tensor a, SymInt n) -> Tensor", lib=_BENCH_OPS)
+    torch.library.impl("nvfp4lab_bench::noop_defined", "default", lambda a, n: a.new_empty(0), lib=_BENCH_OPS)
+
     rows_grid = (M // cfg["BM"], (K // 16) // 16)
     rows_args = (x, M, K, x.stride(0), amax, seeds, d.view(torch.int32), s, s, s, K // 8, K // 16, K // 2, 1 / 6)
     rows_constexprs = dict(SR=False, VALUES=False, WORDS=True, BM=cfg["BM"], NB=16, REVERSE=False, EVEN=True,
@@ -113,6 +126,9 @@ def main(argv: list[str] | None = None) -> int:
         "torch.zeros(2) (allocation + fill kernel)": lambda: torch.zeros(2, dtype=torch.float32, device=dev),
         "kernels._amax_buffer (a slot of a zeroed pool)": lambda: kernels._amax_buffer(x.device),
         "torch op launch (ones.add_(1))": lambda: ones.add_(1),
+        "no-op operator, @torch.library.custom_op": lambda: torch.ops.nvfp4lab_bench.noop_decorated(ones, 3),
+        "no-op operator, torch.library.define + impl (as nvfp4lab's ops)": lambda: torch.ops.nvfp4lab_bench.noop_defined(
+            ones, 3),
         "Triton launch (quantize_rows_kernel[grid](...))": lambda: k.quantize_rows_kernel[rows_grid](
             *rows_args, **rows_constexprs, num_warps=cfg["num_warps"], enable_fp_fusion=False),
         "the same launch through kernels._launch (launch cache)": lambda: kernels._launch(
@@ -130,6 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         "autograd.Function no-op forward+backward": noop_fwd_bwd,
         "torch.autocast(enabled=False) enter+exit": autocast_off,
         "NVFP4Recipe.quantize_options(role)": lambda: state.recipe.quantize_options("grad_output_columnwise"),
+        "torch.ops.nvfp4lab.linear_fprop under no_grad (the op a compiled model calls)": lambda: _no_grad(
+            torch.ops.nvfp4lab.linear_fprop, x, layer.weight, None, state.key, state.saved_code, True, True),
         "linear._fprop (the forward's work: X, W pairs, Fprop GEMM)": lambda: lin._fprop(
             state, x, layer.weight, None, True, True),
         "linear._bprop (the backward's work: dY pair, Dgrad, Wgrad GEMMs)": lambda: lin._bprop(

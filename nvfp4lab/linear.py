@@ -786,7 +786,23 @@ def _run_bprop(state: _LayerState, stream: SRStream | None, dy, saved,
                         eligible=lambda: _covered(state, dy, "grad_output_rowwise", "grad_output_columnwise", need_wgrad))
 
 
-@torch.library.custom_op("nvfp4lab::linear_fprop", mutates_args=())
+# The two ops are defined with torch.library's define / impl / register_fake / register_autograd,
+# the calls that the @torch.library.custom_op decorator makes itself, without the wrapper it puts
+# around the implementation (a torch._dynamo.disable frame and an output aliasing check on every
+# call): host time that a compiled model pays twice per layer and step (the two no-op rows of
+# benchmarks/host_breakdown.py). Our outputs never alias the inputs (fresh tensors, or buffers of
+# the layer's own CUDA graphs).
+_OPS = torch.library.Library("nvfp4lab", "FRAGMENT")
+torch.library.define("nvfp4lab::linear_fprop",
+                     "(Tensor x2d, Tensor weight, Tensor? bias, SymInt key, SymInt saved_code, bool need_dgrad, "
+                     "bool need_wgrad) -> (Tensor, Tensor)", lib=_OPS, tags=(torch.Tag.pt2_compliant_tag,))
+torch.library.define("nvfp4lab::linear_bprop",
+                     "(Tensor dy, Tensor saved, SymInt key, SymInt K, ScalarType x_dtype, ScalarType w_dtype, "
+                     "ScalarType bias_dtype, bool saved_dgrad, bool saved_wgrad, bool need_dgrad, bool need_wgrad, "
+                     "bool need_dbias) -> (Tensor, Tensor, Tensor)", lib=_OPS, tags=(torch.Tag.pt2_compliant_tag,))
+
+
+@torch.library.impl("nvfp4lab::linear_fprop", "default", lib=_OPS)
 def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, key: int,
                      saved_code: int, need_dgrad: bool, need_wgrad: bool) -> tuple[torch.Tensor, torch.Tensor]:
     state = _STATES[key]
@@ -796,7 +812,7 @@ def _linear_fprop_op(x2d: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor
     return _run_fprop(state, _graph_stream(state, x2d), x2d, weight, bias, need_dgrad, need_wgrad)
 
 
-@_linear_fprop_op.register_fake
+@torch.library.register_fake("nvfp4lab::linear_fprop", lib=_OPS)
 def _(x2d, weight, bias, key, saved_code, need_dgrad, need_wgrad):
     # from the format alone: the key may be a symbolic int here, which names no layer (_SavedFormat)
     _, size = _saved_layout(_SavedFormat.from_code(saved_code), x2d.shape[0], x2d.shape[1], weight.shape[0],
@@ -817,7 +833,7 @@ def _unflat(state: _LayerState, data, scale, amax, role: str, shape, dtype,
                        if opts["rht"] else None)
 
 
-@torch.library.custom_op("nvfp4lab::linear_bprop", mutates_args=())
+@torch.library.impl("nvfp4lab::linear_bprop", "default", lib=_OPS)
 def _linear_bprop_op(dy: torch.Tensor, saved: torch.Tensor, key: int, K: int, x_dtype: torch.dtype,
                      w_dtype: torch.dtype, bias_dtype: torch.dtype, saved_dgrad: bool, saved_wgrad: bool,
                      need_dgrad: bool, need_wgrad: bool, need_dbias: bool) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -826,7 +842,7 @@ def _linear_bprop_op(dy: torch.Tensor, saved: torch.Tensor, key: int, K: int, x_
                       saved_wgrad, need_dgrad, need_wgrad, need_dbias)
 
 
-@_linear_bprop_op.register_fake
+@torch.library.register_fake("nvfp4lab::linear_bprop", lib=_OPS)
 def _(dy, saved, key, K, x_dtype, w_dtype, bias_dtype, saved_dgrad, saved_wgrad, need_dgrad, need_wgrad, need_dbias):
     M, N = dy.shape
     dev = dy.device
@@ -854,7 +870,8 @@ def _fprop_backward(ctx, gy, *_saved_grads):
     return (*_needed(grads, (need_dgrad, need_wgrad, need_dbias)), None, None, None, None)
 
 
-torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context)
+torch.library.register_autograd("nvfp4lab::linear_fprop", _fprop_backward, setup_context=_fprop_setup_context,
+                                lib=_OPS)
 
 
 def _switched_forward(x, weight, bias, state: _LayerState, grad_enabled: bool):
