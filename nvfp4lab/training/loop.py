@@ -520,18 +520,18 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                 with torch.cuda.stream(side) if side is not None else nullcontext(), \
                         kernels.use_options(layer_graphs=False) if side is not None else nullcontext():
                     optimizer.zero_grad(set_to_none=True)
-                    micro, local = cfg.grad_accum_steps, 0.0
+                    micro, losses = cfg.grad_accum_steps, []
                     for i, (xm, ym) in enumerate(zip(x.chunk(micro), y.chunk(micro))):
                         # the gradients are reduced across ranks with the last micro-batch only
                         with distributed.grad_sync(net, i == micro - 1):
                             with autocast_for(cfg.precision, device):
                                 _, loss = step_model(xm, ym)
-                            part = float(loss.detach())
-                            local += part
-                            # one process skips a backward through a non-finite loss; ranks all run
-                            # it (its collectives must match) and decide together below
-                            if ctx.distributed or math.isfinite(part):
-                                (loss / micro if micro > 1 else loss).backward()
+                            losses.append(loss.detach())
+                            # the backward runs whatever the loss (a non-finite one is caught below,
+                            # before the update): reading it here would make the host wait for the
+                            # forward, and the GPU for the backward's first launches
+                            (loss / micro if micro > 1 else loss).backward()
+                    local = sum(torch.stack(losses).tolist())   # one host read, after the backward
                     loss_val = distributed.mean_across(local / micro, ctx)
                     if distributed.agree_any(not math.isfinite(local), ctx):
                         bad = "loss"
