@@ -988,7 +988,6 @@ def quantize_rowwise_columnwise(
     for name, q in zip(("rowwise", "columnwise"), gemm_with):
         if q is not None and not (isinstance(q, NVFP4Tensor) and q.amax.shape == () and q.amax.device == x.device):
             raise ValueError(f"gemm_with's {name} partner must be an NVFP4Tensor with a 0-d amax on x's device")
-    partners = [None if q is None else q.amax for q in gemm_with]
     if col is None:
         if col_out is not None:
             raise ValueError("col_out is given but col is None: there is no columnwise copy to write")
@@ -1023,8 +1022,8 @@ def quantize_rowwise_columnwise(
             q_col = dataclasses.replace(q_col, values_bf16=values_t)
         return q_row, q_col
     block, rounding, col_rht, mask = args
-    coefs = [(amax, i == 1, torch.empty(2, dtype=torch.float32, device=x.device))
-             for i, amax in enumerate(partners) if amax is not None]
+    coefs = [(q.amax, i == 1, torch.empty(2, dtype=torch.float32, device=x.device))
+             for i, q in enumerate(gemm_with) if q is not None]
     d, s, am, dt, st, amt, v, vt = kernels.quantize_rowwise_columnwise(
         x, block2d=block == "2d", rht=col_rht, sr=rounding == "stochastic", sign_mask=mask,
         generator=generator, values=tuple(values),

@@ -764,14 +764,15 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
     def new_values() -> torch.Tensor:
         return values_out if values_out is not None else torch.empty(M, K, dtype=torch.bfloat16, device=dev)
 
-    def launch(row_: bool, col_: bool, last: bool) -> None:
+    def launch(row_: bool, col_: bool, last: bool) -> bool:
+        """Launch the kernel for these copies; True where it also wrote ``coefs`` (the last, 16-slice)."""
         if row_ and not col_ and rows_kernel:
             v = new_values() if values[0] else None
             _launch_rows(x2, _rows_args(x2, a_row, seeds, dummy if d is None else d, dummy.view(u8) if s is None else s,
                                         dummy if v is None else v.view(torch.int32), dummy), config,
                          sr=sr, values=v is not None, after_amax=reverse, i64=i64, codes=row_codes)
             out_v[0] = v
-            return
+            return False
         if uses_slices(row_, col_):
             mode = "slices2d" if block2d else ("slices_both" if row_ else ("slices_col_sr" if sr else "slices_col"))
             cfg = config[mode]
@@ -793,10 +794,10 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
                 EVEN=even(16 * G, BK), I64=i64, COL_CODES=col_codes or not col_, N_COEF=len(folded),
                 num_warps=cfg["num_warps"])
-            done_coefs.extend(folded)
             if v is not None:
                 out_v[0] = v
             out_v[1] = vt
+            return last
         else:
             cfg = config["2d" if block2d else ("both" if row_ and col_ else ("row" if row_ else "col"))]
             BM, BK = cfg["BM"], cfg["BK"]
@@ -808,15 +809,15 @@ def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool
                 SIGN_MASK=mask, RHT_F64=rf64, ROUND_BF16=round_bf16, BM=BM, BK=BK,
                 REVERSE=reverse, E2M1_BITS=opts.e2m1_bits,
                 EVEN=even(BM, BK), I64=i64, num_warps=cfg["num_warps"])
+            return False
 
-    done_coefs: list = []
     if split:
         launch(True, False, False)
-        launch(False, True, True)
+        coefs_written = launch(False, True, True)
     else:
-        launch(row, col, True)
-    for partner, c, out in coefs:   # those no 16-slice kernel wrote
-        if not any(out is o for _, _, o in done_coefs):
+        coefs_written = launch(row, col, True)
+    if not coefs_written:   # no 16-slice kernel wrote the GEMM factors: a launch each
+        for partner, c, out in coefs:
             _launch_gemm_alpha(partner, a_col if c else a_row, out)
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernels that read its keys in place (same stream)
