@@ -1100,10 +1100,14 @@ def _grid_values_bits(y, u, sfv, SR: tl.constexpr):
 
 @triton.jit
 def _scaled(a, enc):
-    """``a × enc`` rounded to float32, with -0.0 turned into +0.0 by the same instruction: ``fma(a,
-    enc, +0.0)`` is the product except that -0.0 + 0.0 = +0.0, so the sign bit of the result is
-    that of :func:`_sign_bit3` (``enc`` > 0)."""
-    return tl.fma(a, enc, 0.0)
+    """``a × enc`` rounded to float32 (TE's scaled value y), then plus +0.0, which turns -0.0 into
+    +0.0 and keeps every other value: the sign bit of the result is that of ``y < 0``, as in TE's
+    reference and :func:`_sign_bit3` (``enc`` > 0). Two instructions, not ``fma(a, enc, +0.0)``:
+    where a negative product underflows to zero (a block spanning more than 2^150), the fused
+    operation rounds the exact, non-zero sum and so returns -0.0 (IEEE 754: a result rounded to
+    zero keeps the exact result's sign), where y is -0.0 and y + 0.0 is +0.0; on an H200 that
+    gave SR code 8 (and BF16 value -0.0) where the reference gives code 0 (and +0.0)."""
+    return a * enc + 0.0
 
 
 @triton.jit

@@ -20,7 +20,7 @@ from nvfp4lab.linear import NVFP4GemmQuantizer  # noqa: E402
 from nvfp4lab.testing import assert_nvfp4_equal, rht_rounding_boundary_block
 from nvfp4lab.formats import E2M1_VALUES, decode_e2m1  # noqa: E402
 from nvfp4lab.rounding import SRStream  # noqa: E402
-from nvfp4lab.hadamard import random_hadamard_transform  # noqa: E402
+from nvfp4lab.hadamard import WGRAD_SIGNS, random_hadamard_transform  # noqa: E402
 from nvfp4lab.quantize import (  # noqa: E402
     block_encode_scales, nvfp4_matmul, quantize, quantize_rowwise_columnwise, uses_kernels)
 
@@ -321,6 +321,40 @@ def test_values_only_copies_on_gpu(shape, dtype, rounding):
     for q, q_v in ((row, row_v), (col, col_v)) if rht else ((row, row_v),):
         assert q_v.data is None
         assert torch.equal(q_v.values_bf16.view(torch.int16), q.values_bf16.view(torch.int16))
+
+
+@pytest.mark.parametrize("rounding", ["nearest", "stochastic"])
+def test_scaled_values_that_underflow_to_zero_get_the_reference_sign(rounding):
+    """A block spanning more than 2^150: its small negative elements, scaled, underflow to -0.0
+    in float32, which TE's reference (y < 0 is false) encodes as code 0 and decodes to +0.0. The
+    kernels give the reference's bytes and BF16 bits with RNE and SR, codes and values-only, rowwise
+    and columnwise after the RHT (whose outputs are built here to cancel down to ±t/4). Before the
+    fix the SR codes and the values-only copies took the sign of a fused multiply-add (code 8, -0.0)."""
+    A, t = 2.0 ** 100, 2.0 ** -120
+    x = torch.zeros(64, 64, device=DEV)
+    x[:16, 0] = A
+    x[:16, 1:16] = -t                       # rowwise blocks: A and fifteen -t
+    signs = WGRAD_SIGNS.to(DEV)
+    x[16, 16:32] = A * signs[0]             # columnwise blocks (rows 16-31): after the sign flips and
+    x[17, 16:32] = A * signs[1]             # H16, A + A·H[1, j] cancels in every odd output j,
+    x[31, 16:32] = -t * signs[15]           # leaving ±t/4
+    x = x.to(torch.bfloat16)
+    y = random_hadamard_transform(x[16:32].t().float().contiguous())
+    assert bool(((y < 0) & (y > -t)).any())   # tiny negative post-RHT values are there
+    q, qr = fast(x, rounding=rounding, generator=SRStream(4, DEV)), _ref(x, rounding=rounding, generator=SRStream(4, DEV))
+    assert_nvfp4_equal(q, qr)
+    assert int(qr.data[0, 0]) == 0x07           # +6, then code 0 (not 8) for the underflowed -t
+    with kernels.disabled():
+        ref = quantize_rowwise_columnwise(x, dict(rounding=rounding), dict(rht=True, rounding=rounding),
+                                          generator=SRStream(5, DEV))
+    ref_values = [r.block_values(torch.bfloat16).view(torch.int16) for r in ref]
+    for values in ((False, False), (True, True), ("only", "only")):
+        got = pair(x, rht=True, rounding=rounding, generator=SRStream(5, DEV), values=values)
+        for g, r, rv in zip(got, ref, ref_values):
+            if values[0] != "only":
+                assert_nvfp4_equal(g, r)
+            if values[0]:
+                assert torch.equal(g.values_bf16.view(torch.int16), rv), values
 
 
 @pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=str)
