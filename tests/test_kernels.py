@@ -1099,7 +1099,8 @@ def test_the_launch_cache_and_direct_launcher_serve_only_the_triton_release_they
     # GPU here) the launches take Triton's own path
     from types import SimpleNamespace
     compiled = SimpleNamespace(metadata=SimpleNamespace(global_scratch_size=0, profile_scratch_size=0),
-                               run=lambda *a: None, function=0, packed_metadata=(4, 1, 0))
+                               run=SimpleNamespace(launch=lambda *a: None, launch_cooperative_grid=False,
+                                                   launch_pdl=False), function=0, packed_metadata=(4, 1, 0))
     monkeypatch.setattr(triton, "__version__", version)
     kernels._launch_cache_release.cache_clear()   # read once per process: read this version
     try:

@@ -382,23 +382,30 @@ def _launch_cache_release() -> bool:
 
 def _direct_launch(compiled: Any) -> Any:
     """The launcher Triton's ``CompiledKernel[grid](*args)`` ends in, with what it passes bound
-    (``compiler/compiler.py`` ``CompiledKernel.__getitem__``), or None where the kernel needs
-    what that path adds (a global or profiling scratch buffer). Triton 3.6 passes its
-    launch-hook chains and their metadata on every launch; :func:`_launch` calls this only while
-    both chains are empty, when they do nothing. None as well on any Triton other than 3.6
-    (:func:`_launch_cache_release`)."""
+    (``compiler/compiler.py`` ``CompiledKernel.__getitem__``, then ``backends/nvidia/driver.py``
+    ``CudaLauncher.__call__``, whose only work besides calling the C launch function is to
+    allocate scratch buffers), or None where the kernel needs what that path adds (a global or
+    profiling scratch buffer). Triton 3.6 passes its launch-hook chains and their metadata on every
+    launch; :func:`_launch` calls this only while both chains are empty, when they do nothing. None
+    as well on any Triton other than 3.6 (:func:`_launch_cache_release`).
+
+    The C function takes a pointer argument as a tensor (it calls ``data_ptr()`` and asks the
+    driver whether the address is device memory) or as an integer address, taken as it is."""
     global _TRITON_RUNTIME
     meta = compiled.metadata
     knobs = getattr(_kernels().triton, "knobs", None)
     if getattr(meta, "global_scratch_size", 0) or getattr(meta, "profile_scratch_size", 0) \
-            or knobs is None or not hasattr(compiled, "packed_metadata") or not _launch_cache_release():
+            or knobs is None or not hasattr(compiled, "packed_metadata") or not hasattr(compiled.run, "launch") \
+            or not _launch_cache_release():
         return None   # a scratch buffer to allocate, or not the Triton release this was written for
     _TRITON_RUNTIME = knobs.runtime
     run, function, packed = compiled.run, compiled.function, compiled.packed_metadata
+    # CudaLauncher.__call__ allocates the scratch buffers (none here) and calls its C function
+    c_launch, coop, pdl = run.launch, run.launch_cooperative_grid, run.launch_pdl
 
     def launch(grid: tuple, stream: int, args: tuple, tail: tuple) -> None:
-        run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, function, packed,
-            None, None, None, *args, *tail)
+        c_launch(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream, function,
+                 coop, pdl, None, None, packed, None, None, None, *args, *tail)
 
     return launch
 
@@ -465,6 +472,24 @@ _AMAX_POOLS: dict[int, tuple[torch.Tensor, Iterator[int]]] = {}
 _AMAX_POOL_FLOATS = 4096   # 1024 slots of 16 bytes
 
 
+def _amax_slot(device: torch.device) -> tuple[torch.Tensor, int]:
+    """:func:`_amax_buffer` as ``(tensor, i)``, the buffer being ``tensor[i:i + 2]``, without the
+    slicing (a tensor operation): the address ``tensor.data_ptr() + 4 * i`` is all a launch needs."""
+    if device.type != "cuda":
+        return torch.zeros(2, dtype=torch.float32, device=device), 0
+    index = torch.cuda.current_device() if device.index is None else device.index
+    if torch._C._cuda_getCurrentRawStream(index) != 0:   # not the default (legacy) stream
+        return torch.zeros(2, dtype=torch.float32, device=device), 0
+    pool = _AMAX_POOLS.get(index)
+    if pool is not None:
+        i = 4 * next(pool[1])   # one C call: two threads never get the same slot
+        if i < _AMAX_POOL_FLOATS:
+            return pool[0], i
+    zeros = torch.zeros(_AMAX_POOL_FLOATS, dtype=torch.float32, device=device)
+    _AMAX_POOLS[index] = (zeros, itertools.count(1))
+    return zeros, 0
+
+
 def _amax_buffer(device: torch.device) -> torch.Tensor:
     """A zeroed float32 ``[2]`` for the amax kernels to accumulate into (``[0]`` rowwise, ``[1]``
     columnwise), 16-byte aligned.
@@ -476,37 +501,36 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
     as long as a slot does (the ``amax`` of a result is a view of it). On any other stream — a CUDA
     graph capture (whose replays must accumulate into zeros, not into the previous replay's
     maximum), ``torch.compile``'s CUDA graphs, whose warm-up allocates from the graphs' own memory
-    pool — and on the CPU, it is a ``torch.zeros`` of its own.
+    pool — and on the CPU, it is a ``torch.zeros`` of its own (:func:`_amax_slot`).
     """
-    if device.type != "cuda":
-        return torch.zeros(2, dtype=torch.float32, device=device)
-    index = torch.cuda.current_device() if device.index is None else device.index
-    if torch._C._cuda_getCurrentRawStream(index) != 0:   # not the default (legacy) stream
-        return torch.zeros(2, dtype=torch.float32, device=device)
-    pool = _AMAX_POOLS.get(index)
-    if pool is not None:
-        i = 4 * next(pool[1])   # one C call: two threads never get the same slot
-        if i < _AMAX_POOL_FLOATS:
-            return pool[0][i:i + 2]
-    zeros = torch.zeros(_AMAX_POOL_FLOATS, dtype=torch.float32, device=device)
-    _AMAX_POOLS[index] = (zeros, itertools.count(1))
-    return zeros[0:2]
+    t, i = _amax_slot(device)
+    return t if t.numel() == 2 else t[i:i + 2]
 
 
-def _amax_args(x2: torch.Tensor, buf: torch.Tensor) -> tuple:
-    """The runtime arguments of ``amax_kernel`` / ``amax_slices_kernel`` for x2 [M, K] into ``buf``."""
+def _int32(t: torch.Tensor | int) -> torch.Tensor | int:
+    """A tensor viewed as int32 (the pointer type the kernel was compiled for); an address as it is."""
+    return t.view(torch.int32) if isinstance(t, torch.Tensor) else t
+
+
+def _amax_args(x2: torch.Tensor, buf: torch.Tensor | int, x_arg: torch.Tensor | int | None = None) -> tuple:
+    """The runtime arguments of ``amax_kernel`` / ``amax_slices_kernel`` for x2 [M, K] into ``buf``
+    (a tensor, or its address where the kernel is already compiled: see :func:`_direct_launch`;
+    ``x_arg``: x2's address likewise, default x2)."""
     M, K = x2.shape
-    return x2, buf.view(torch.int32), M, K, x2.stride(0), x2.stride(1)
+    return x2 if x_arg is None else x_arg, _int32(buf), M, K, x2.stride(0), x2.stride(1)
 
 
-def _rows_args(x2: torch.Tensor, a_row: torch.Tensor, seeds: torch.Tensor, d: torch.Tensor, s: torch.Tensor,
-               v32: torch.Tensor, obs: torch.Tensor) -> tuple:
+def _rows_args(x2: torch.Tensor, a_row: torch.Tensor | int, seeds: torch.Tensor | int, d: torch.Tensor | int,
+               s: torch.Tensor | int, v32: torch.Tensor | int, obs: torch.Tensor | int,
+               x_arg: torch.Tensor | int | None = None) -> tuple:
     """The runtime arguments of ``quantize_rows_kernel`` for x2 [M, K] (``d``: packed codes
     ``uint8 [M, K/2]``; ``v32``: the BF16 values ``[M, K]`` viewed as int32, or any pointer when
     the kernel does not write them; ``obs``: a zeroed float32 tensor whose first element gets
-    max |x| with ``OBSERVE``, or any pointer without)."""
+    max |x| with ``OBSERVE``, or any pointer without). Each pointer as a tensor or, where the
+    kernel is already compiled, as its address (:func:`_direct_launch`); ``x_arg`` likewise for
+    x2 (default x2)."""
     M, K = x2.shape
-    return (x2, M, K, x2.stride(0), a_row, seeds, d.view(torch.int32), s, v32, obs.view(torch.int32),
+    return (x2 if x_arg is None else x_arg, M, K, x2.stride(0), a_row, seeds, _int32(d), s, v32, _int32(obs),
             K // 8, K // 16, K // 2, _INV6)
 
 
@@ -637,41 +661,69 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     plan = _ROWS_PLANS.get(sig)
     if plan is not None and _TRITON_RUNTIME is not None and _hooks_installed():
         plan = None
+    if plan is not None:
+        planned = _quantize_rows_planned(x2, plan, cur, sr, generator, amax, on_amax, observe)
+        if planned is not None:
+            return planned
     # zeroed where a kernel accumulates into it: the amax kernel, or the observing rows kernel
     buf = _amax_buffer(dev) if amax is None or observe else torch.empty(2, dtype=torch.float32, device=dev)
-    if plan is not None:
-        _, amax_step, rows_step = plan
-        stream = torch._C._cuda_getCurrentRawStream(cur)
-        if amax_step is not None:
-            direct, grid, tail = amax_step
-            direct(grid, stream, _amax_args(x2, buf), tail)
-    else:
-        amax_step = None
-        if amax is None:
-            entry, grid = _launch_amax(x2, buf, opts.config, row=True, row_rht=False, col_rht=False, mask=0,
-                                       rht_f64=opts.rht_f64, i64=_i64(x2))
-            amax_step = None if entry is None or entry[2] is None else (entry[2], grid, entry[1])
+    amax_step = None
+    if amax is None:
+        entry, grid = _launch_amax(x2, buf, opts.config, row=True, row_rht=False, col_rht=False, mask=0,
+                                   rht_f64=opts.rht_f64, i64=_i64(x2))
+        amax_step = None if entry is None or entry[2] is None else (entry[2], grid, entry[1])
     a_row = buf[0] if amax is None else amax   # (after the amax launch: the GPU starts sooner)
     if on_amax is not None and amax is None:
         on_amax(a_row)
     d = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
     s = torch.empty(M, K // 16, dtype=torch.uint8, device=dev)
     seeds = _seeds(generator, dev) if sr else buf   # buf: a dummy pointer when not SR (as in _run)
-    args = _rows_args(x2, a_row, seeds, d, s, buf, buf)
-    if plan is not None and seeds.data_ptr() & 15 == 0:
-        direct, grid, tail = rows_step
-        direct(grid, stream, args, tail)
-    else:
-        entry, grid = _launch_rows(x2, args, opts.config, sr=sr, values=False, after_amax=amax is None,
-                                   i64=_i64(x2), observe=observe)
-        if plan is None and entry is not None and entry[2] is not None and (amax is not None or amax_step is not None) \
-                and seeds.data_ptr() & 15 == 0:
-            if len(_ROWS_PLANS) >= _PLANS_MAX:
-                _ROWS_PLANS.clear()
-            _ROWS_PLANS[sig] = (opts, amax_step, (entry[2], grid, entry[1]))   # opts kept: its id stays its own
+    entry, grid = _launch_rows(x2, _rows_args(x2, a_row, seeds, d, s, buf, buf), opts.config, sr=sr, values=False,
+                               after_amax=amax is None, i64=_i64(x2), observe=observe)
+    if plan is None and entry is not None and entry[2] is not None and (amax is not None or amax_step is not None) \
+            and seeds.data_ptr() & 15 == 0:
+        if len(_ROWS_PLANS) >= _PLANS_MAX:
+            _ROWS_PLANS.clear()
+        _ROWS_PLANS[sig] = (opts, amax_step, (entry[2], grid, entry[1]))   # opts kept: its id stays its own
     if sr and isinstance(generator, SRStream):
         generator.advance()   # after the kernel that read its keys in place (same stream)
     return d, s.view(torch.float8_e4m3fn), a_row, buf[0] if observe else None
+
+
+def _quantize_rows_planned(x2: torch.Tensor, plan: tuple, cur: int, sr: bool, generator, amax: torch.Tensor | None,
+                           on_amax: Callable[[torch.Tensor], Any] | None, observe: bool) -> tuple | None:
+    """:func:`_quantize_rows` on a call whose plan is made: the same launches with the same
+    arguments, passed to the compiled kernels' launchers as addresses (:func:`_direct_launch`),
+    so that no tensor operation and no driver query of the pointers comes before the first
+    launch. The amax buffer is a pool slot's address (:func:`_amax_slot`; the 0-d amax is made
+    from it after the launch) or none where no kernel accumulates into one (a given amax, not
+    observed: the kernel reads no such pointer, so 0). None, with nothing launched, where SR keys
+    are not 16-byte aligned as the plan's kernel assumes: the caller launches through Triton's
+    checks instead."""
+    M, K = x2.shape
+    dev = x2.device
+    _, amax_step, rows_step = plan
+    seeds = _seeds(generator, dev) if sr else None
+    if seeds is not None and seeds.data_ptr() & 15:
+        return None
+    stream = torch._C._cuda_getCurrentRawStream(cur)
+    ptr = x2.data_ptr()
+    pool, i = _amax_slot(dev) if amax is None or observe else (None, 0)
+    buf = 0 if pool is None else pool.data_ptr() + 4 * i
+    if amax_step is not None:
+        direct, grid, tail = amax_step
+        direct(grid, stream, _amax_args(x2, buf, ptr), tail)
+    a_row = pool[i] if amax is None else amax   # (after the amax launch: the GPU starts sooner)
+    if on_amax is not None and amax is None:
+        on_amax(a_row)
+    d = torch.empty(M, K // 2, dtype=torch.uint8, device=dev)
+    s = torch.empty(M, K // 16, dtype=torch.uint8, device=dev)
+    direct, grid, tail = rows_step
+    direct(grid, stream, _rows_args(x2, buf if amax is None else amax.data_ptr(), buf if seeds is None else
+                                    seeds.data_ptr(), d.data_ptr(), s.data_ptr(), buf, buf, ptr), tail)
+    if sr and isinstance(generator, SRStream):
+        generator.advance()   # after the kernel that read its keys in place (same stream)
+    return d, s.view(torch.float8_e4m3fn), a_row, pool[i] if observe else None
 
 
 def _run(x2: torch.Tensor, *, row: bool, col: bool, row_rht: bool, col_rht: bool, block2d: bool,
