@@ -638,10 +638,10 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     Everything that depends only on the call's signature — x2's shape, strides, dtype and
     alignment, the device, the options in force, SR, whether ``amax`` is given — is planned on the
     signature's first call: the kernels' tiles and constexprs, their grids and their compiled
-    kernels (the entries :func:`_launch` caches). A later call allocates the outputs and launches
-    the amax kernel (unless ``amax`` is given) and the rows kernel directly, with the arguments
-    :func:`_run` passes (:func:`_amax_args`, :func:`_rows_args`): the same binaries, bit-identical
-    results (``tests/gpu/test_kernels_gpu.py``). Returns None where the plan does not apply — the
+    kernels (the entries :func:`_launch` caches). A later call (:func:`_quantize_rows_planned`)
+    launches the amax kernel (unless ``amax`` is given), allocates the outputs and launches the rows
+    kernel directly, with the arguments :func:`_run` passes (:func:`_amax_args`, :func:`_rows_args`)
+    given as addresses: the same binaries, bit-identical results (``tests/gpu/test_kernels_gpu.py``). Returns None where the plan does not apply — the
     interpreter, ``options().launch_cache`` off, a Triton launch hook installed, a kernel Triton
     launches with a scratch buffer — and the caller runs :func:`_run`. Otherwise ``(data, scale,
     amax, observed)``: ``observed`` is the input's max |x| that the kernel observed where
