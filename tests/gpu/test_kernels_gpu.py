@@ -630,6 +630,22 @@ def test_the_check_reads_the_amax_early_and_still_raises_on_nan(kw):
             quantize(xi, **kw, **gen())
 
 
+def test_the_checks_host_read_waits_for_the_amax_alone():
+    """``quantize``'s host read of the amax (``_start_host_read``) waits for the work launched
+    before it was started, not for what the current stream runs after it (the quantize kernel),
+    even when that work is launched before the read is asked for."""
+    from nvfp4lab.quantize import _start_host_read
+    t = torch.full((), 3.5, device=DEV)
+    t.mul_(2.0)                            # the value the read must see: launched before the mark
+    read = _start_host_read(t)
+    torch.cuda._sleep(2_000_000_000)       # about a second of GPU time on the current stream
+    after = torch.cuda.Event()
+    after.record()
+    assert read() == 7.0
+    assert not after.query()               # the read returned while the sleep still ran
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("kw", [{}, {"block": "2d"}, {"rht": True}, {"rounding": "stochastic"}],
                          ids=["1d", "2d", "rht", "sr"])
 def test_the_check_of_a_given_amax_reads_once_and_still_raises_on_nan(kw):
