@@ -641,9 +641,10 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     kernels (the entries :func:`_launch` caches). A later call (:func:`_quantize_rows_planned`)
     launches the amax kernel (unless ``amax`` is given), allocates the outputs and launches the rows
     kernel directly, with the arguments :func:`_run` passes (:func:`_amax_args`, :func:`_rows_args`)
-    given as addresses: the same binaries, bit-identical results (``tests/gpu/test_kernels_gpu.py``). Returns None where the plan does not apply — the
-    interpreter, ``options().launch_cache`` off, a Triton launch hook installed, a kernel Triton
-    launches with a scratch buffer — and the caller runs :func:`_run`. Otherwise ``(data, scale,
+    given as addresses: the same binaries, bit-identical results (``tests/gpu/test_kernels_gpu.py``).
+    Returns None where the plan does not apply — the interpreter, ``options().launch_cache`` off,
+    a Triton launch hook installed, a kernel Triton launches with a scratch buffer — and the
+    caller runs :func:`_run`. Otherwise ``(data, scale,
     amax, observed)``: ``observed`` is the input's max |x| that the kernel observed where
     ``observe`` and ``amax`` is given (``OBSERVE``; 0-d float32, NaN where x holds NaN), else None.
     """
@@ -662,7 +663,7 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     if plan is not None and _TRITON_RUNTIME is not None and _hooks_installed():
         plan = None
     if plan is not None:
-        planned = _quantize_rows_planned(x2, plan, cur, sr, generator, amax, on_amax, observe)
+        planned = _quantize_rows_planned(x2, ptr, plan, cur, sr, generator, amax, on_amax, observe)
         if planned is not None:
             return planned
     # zeroed where a kernel accumulates into it: the amax kernel, or the observing rows kernel
@@ -690,16 +691,19 @@ def _quantize_rows(x2: torch.Tensor, sr: bool, generator, amax: torch.Tensor | N
     return d, s.view(torch.float8_e4m3fn), a_row, buf[0] if observe else None
 
 
-def _quantize_rows_planned(x2: torch.Tensor, plan: tuple, cur: int, sr: bool, generator, amax: torch.Tensor | None,
-                           on_amax: Callable[[torch.Tensor], Any] | None, observe: bool) -> tuple | None:
-    """:func:`_quantize_rows` on a call whose plan is made: the same launches with the same
+def _quantize_rows_planned(x2: torch.Tensor, ptr: int, plan: tuple, cur: int, sr: bool, generator,
+                           amax: torch.Tensor | None, on_amax: Callable[[torch.Tensor], Any] | None,
+                           observe: bool) -> tuple | None:
+    """:func:`_quantize_rows` on a call whose plan is made (``ptr``: x2's address, ``cur``: the
+    current device, as that function found them): the same launches with the same
     arguments, passed to the compiled kernels' launchers as addresses (:func:`_direct_launch`),
     so that no tensor operation and no driver query of the pointers comes before the first
     launch. The amax buffer is a pool slot's address (:func:`_amax_slot`; the 0-d amax is made
     from it after the launch) or none where no kernel accumulates into one (a given amax, not
     observed: the kernel reads no such pointer, so 0). None, with nothing launched, where SR keys
     are not 16-byte aligned as the plan's kernel assumes: the caller launches through Triton's
-    checks instead."""
+    checks instead (only an SRStream's keys, a view of its state, can be; fresh draws are aligned,
+    so no generator is drawn from twice)."""
     M, K = x2.shape
     dev = x2.device
     _, amax_step, rows_step = plan
@@ -707,7 +711,6 @@ def _quantize_rows_planned(x2: torch.Tensor, plan: tuple, cur: int, sr: bool, ge
     if seeds is not None and seeds.data_ptr() & 15:
         return None
     stream = torch._C._cuda_getCurrentRawStream(cur)
-    ptr = x2.data_ptr()
     pool, i = _amax_slot(dev) if amax is None or observe else (None, 0)
     buf = 0 if pool is None else pool.data_ptr() + 4 * i
     if amax_step is not None:
