@@ -72,7 +72,14 @@ _GEMM_FACTOR = GEMM_ALPHA_DENOMINATOR  # 6*6*448*448
 _DEFAULT_CONFIG: dict[str, dict[str, int]] = {
     # the plain amax pass (no RHT); H200, quantize(x) at 8192^2 (amax pass, then the rows kernel),
     # 8 calls back to back: 86.2 vs 87.5 us at BM=64 BK=128 (the pass alone 34.9 vs 37.5; 27.1 vs
-    # 28.8 at 16384 x 3072). With L2 flushed before each call (bench_api) no change: 94.5 vs 94.9
+    # 28.8 at 16384 x 3072). With L2 flushed before each call (bench_api) no change: 94.5 vs 94.9.
+    # The pass reads near DRAM speed: with the zeroing of its buffer, after a flush that leaves the L2
+    # clean, 37.1 us at 8192^2 (134 MB at 3.6 TB/s; a copy of x, 268 MB moved, at 3.9 TB/s in the same
+    # run). No other form made quantize(x) faster there (H200, one run, 94.2 us at this tile): tiles
+    # 32x256 w4, 128x256 w8, 64x512 w8 (94.4-96.8 us), or a grid-stride loop of 4, 8 or 16 programs per
+    # SM, with the next tile's loads in flight or without (94.6-102.7 us; the pass alone, clean L2,
+    # 36.0-46.9 us). At 8192 x 2304, 128x256 w8 and the loop's best were 1.0-1.2 us faster (36.8-36.9 vs
+    # 38.0 us; the other forms 37.0-43.5): one run, not adopted
     "amax": dict(BM=64, BK=256, num_warps=8),
     "amax_rht": dict(BM=64, BK=128, num_warps=8),   # the same pass with an RHT (ROW_RHT or COL_RHT)
     "row": dict(BM=32, BK=256, num_warps=4),
