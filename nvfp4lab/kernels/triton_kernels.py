@@ -1287,8 +1287,8 @@ def quantize_rows_kernel(x_ptr, M, K, sxm, amax_ptr, seed_ptr, d32_ptr, s_ptr, v
             c3 = _e2m1_sr_fast(a3 * enc, u3)
         else:
             # what the sign costs, at most (H200, 8192^2, graph replays): with the sign bits left out
-            # (wrong codes) the kernel took 49.2 us against 52.5 with the amax given, and quantize(x)
-            # 92.7 against 94.5; with the clamp to 6 left out, no less
+            # (wrong codes) the kernel took 49.2 us against 52.4-52.7 with the amax given, and
+            # quantize(x) 92.7 against 94.5; with the clamp to 6 left out, 51.9-52.3 and 97.6-97.9
             c0 = _e2m1_rne_fast(a0 * enc)
             c1 = _e2m1_rne_fast(a1 * enc)
             c2 = _e2m1_rne_fast(a2 * enc)
