@@ -511,7 +511,7 @@ def _amax_buffer(device: torch.device) -> torch.Tensor:
     pool — and on the CPU, it is a ``torch.zeros`` of its own (:func:`_amax_slot`).
     """
     t, i = _amax_slot(device)
-    return t if t.numel() == 2 else t[i:i + 2]
+    return t[i:i + 2]
 
 
 def _int32(t: torch.Tensor | int) -> torch.Tensor | int:
