@@ -858,6 +858,35 @@ def test_fused_single_kernel_mode(kernel_options, dtype, rht):
     _sr_check(col.codes().view(n, 16, 32), y.view(n, 16, 32)[0], n)
 
 
+@pytest.mark.parametrize("amax_given", [False, True], ids=["amax_pass", "amax_given"])
+def test_second_read_order_changes_no_bit(amax_given):
+    """alternate_reads (the columnwise kernel of a split pair reads its tiles in the order opposite
+    to the rowwise kernel's) against both in one order, through the kernels' own pair function: the
+    same codes, scales, amaxes and BF16 values, RNE with the RHT (the forward's X pair) and SR with
+    values only (the backward's dY pair), after the amax kernel and with the amaxes given. Shape
+    96 x 80: six 16-row bands and uneven column tiles, so that the two orders differ."""
+    from nvfp4lab.hadamard import random_hadamard_transform
+
+    x = _x((96, 80), torch.bfloat16, seed=11)
+    a = x.float().abs().amax() if amax_given else None
+    at = random_hadamard_transform(x.t().contiguous()).float().abs().amax() if amax_given else None
+    out = {}
+    for alt in (True, False):
+        with kernels.use_options(alternate_reads=alt):
+            out[alt] = (*kernels.quantize_rowwise_columnwise(x, rht=True, sign_mask=kernels.sign_mask(WGRAD_SIGNS), amax=a,
+                                                              amax_t=at, values=("only", False)),
+                        *kernels.quantize_rowwise_columnwise(x, rht=True, sr=True, sign_mask=kernels.sign_mask(WGRAD_SIGNS),
+                                                              generator=SRStream(7, device="cpu"), amax=a, amax_t=at,
+                                                              values=("only", "only")))
+    present = [t is not None for t in out[True]]
+    assert present == [t is not None for t in out[False]]
+    # X: rowwise amax and values; columnwise codes, scales and amax. dY: the amaxes and both values
+    assert sum(present) == 9
+    for t, u in zip(out[True], out[False]):
+        if t is not None:
+            assert torch.equal(t.reshape(-1).view(torch.uint8), u.reshape(-1).view(torch.uint8))
+
+
 @triton.jit
 def _sr_probe(y_ptr, c_ptr, u_ptr, NY: tl.constexpr, SHIFT: tl.constexpr):
     iy = tl.arange(0, NY)
