@@ -864,7 +864,7 @@ def test_second_read_order_changes_no_bit(amax_given):
     to the rowwise kernel's) against both in one order, through the kernels' own pair function: the
     same codes, scales, amaxes and BF16 values, RNE with the RHT (the forward's X pair) and SR with
     values only (the backward's dY pair), after the amax kernel and with the amaxes given. Shape
-    96 x 80: six 16-row bands and uneven column tiles, so that the two orders differ."""
+    96 x 80: several tiles of each kernel, some partial, so that the two orders differ."""
     from nvfp4lab.hadamard import random_hadamard_transform
 
     x = _x((96, 80), torch.bfloat16, seed=11)
