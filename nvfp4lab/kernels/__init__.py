@@ -134,6 +134,11 @@ class KernelOptions:
             kernel (True) or runs a rowwise and a columnwise kernel that read the input once each
             (False, the default: the kernels are instruction-bound, and on an H200 the fused kernel's
             register pressure made it slower than the two together: 222 vs 86 + 110 us at 8192² bf16).
+            A 16-slice kernel that also made the rowwise copy one block per thread, as the rowwise
+            kernel does, from a second load of its tile, was no better (tried at 010d81a, H200,
+            captured pairs from 16384 x 768 to 8192²: the dY pair 1.6-8.3 us faster, the X pair
+            4.3-10.7 us slower, every GPT-2-small layer slower; it issued nearly the two kernels'
+            instructions per element together, 60.97 against 36.97 + 26.81 for dY's pair).
         rows_kernel: rowwise 1x16 quantization (no RHT, K % 16 == 0, unit column stride) and BF16
             block values by the one-block-per-thread kernels; False: the tile kernels.
         rht_f64: run the RHT butterfly in float64 (bit-exact with nvfp4lab for bf16 and fp32 inputs);
