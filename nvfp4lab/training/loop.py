@@ -531,15 +531,21 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                             # before the update): reading it here would make the host wait for the
                             # forward, and the GPU for the backward's first launches
                             (loss / micro if micro > 1 else loss).backward()
-                    local = sum(torch.stack(losses).tolist())   # one host read, after the backward
+                    # One host read after the backward, of the losses and the gradient norm together:
+                    # the clip runs on the device first, whatever the loss (as inside a captured step;
+                    # a refused step's gradients are dropped), so the GPU does not wait for a second
+                    # read before the clip's launches. float64 holds each value exactly.
+                    norm = clip_and_norm(params, cfg.grad_clip)
+                    if hasattr(norm, "full_tensor"):   # FSDP2: a DTensor, reduced across the ranks
+                        norm = norm.full_tensor()
+                    *parts, grad_norm = torch.stack([t.double() for t in (*losses, norm)]).tolist()
+                    local = sum(parts)
                     loss_val = distributed.mean_across(local / micro, ctx)
                     if distributed.agree_any(not math.isfinite(local), ctx):
                         bad = "loss"
                         grad_norm = float("nan")
-                    else:
-                        grad_norm = float(clip_and_norm(params, cfg.grad_clip))
-                        if distributed.agree_any(not math.isfinite(grad_norm), ctx):
-                            bad = "gradient norm"
+                    elif distributed.agree_any(not math.isfinite(grad_norm), ctx):
+                        bad = "gradient norm"
                 if side is not None:
                     torch.cuda.current_stream(device).wait_stream(side)
             if bad is None and spike:
