@@ -539,6 +539,9 @@ def _train(cfg: TrainConfig, ctx: distributed.DistContext, segments: list[dict[s
                     if hasattr(norm, "full_tensor"):   # FSDP2: a DTensor, reduced across the ranks
                         norm = norm.full_tensor()
                     *parts, grad_norm = torch.stack([t.double() for t in (*losses, norm)]).tolist()
+                    # freed now, as the float it replaced was: a tensor held into the next step moves
+                    # that step's allocations, and the layers' graphs then copy their inputs in
+                    del norm
                     local = sum(parts)
                     loss_val = distributed.mean_across(local / micro, ctx)
                     if distributed.agree_any(not math.isfinite(local), ctx):
