@@ -230,16 +230,28 @@ def bench_training(device: str, preset: str, steps: int, rounds: int = 1,
                 continue
             shown = only is None or mode in only   # else run only for its BF16 runs, which a variant shown uses
             runs: dict[str, list[dict[str, Any]]] = {"bf16": [], "nvfp4": []}
+            precisions = [p for p in (("bf16", "nvfp4") if shown else ("bf16",))
+                          if not (mode in options and p == "bf16")]   # BF16 has no layer graphs: its base mode's runs
+
+            def train_run(precision: str, n: int, tag: str):
+                torch._dynamo.reset()
+                with kernels.use_options(**(options[mode][1] if mode in options else {})):
+                    return train(TrainConfig(preset=preset, precision=precision, steps=n, device=device,
+                                             out=f"{tmp}/{mode}-{precision}-{tag}", progress=False, plot=False,
+                                             eval_interval=n, checkpoint_interval=0, **extra))
+
+            if extra.get("compile"):
+                # an unrecorded short run of each precision first, as benchmarks/train_profile.py does: on
+                # lent H200s the first compiled BF16 run of a process often ran its steady steps ~10% slower
+                # than the next (504k-512k tokens/s against 534k-578k, 2026-11-29), which moved that round's ratio
+                for precision in precisions:
+                    train_run(precision, 2, "warm")
             for r in range(rounds):
                 for precision in ("bf16", "nvfp4") if shown else ("bf16",):
-                    if mode in options and precision == "bf16":   # BF16 has no layer graphs: its runs in the base mode
+                    if precision not in precisions:
                         runs["bf16"] = bf16_runs[options[mode][0]]
                         continue
-                    torch._dynamo.reset()
-                    with kernels.use_options(**(options[mode][1] if mode in options else {})):
-                        res = train(TrainConfig(preset=preset, precision=precision, steps=steps, device=device,
-                                                out=f"{tmp}/{mode}-{precision}-{r}", progress=False, plot=False,
-                                                eval_interval=steps, checkpoint_interval=0, **extra))
+                    res = train_run(precision, steps, str(r))
                     run = {"tokens_per_s": res.tokens_per_s, "warmup_time_s": res.to_dict().get("warmup_time_s"),
                            "final_val_loss": res.final_val_loss, "peak_memory_bytes": res.peak_memory_bytes,
                            "peak_memory_kind": res.peak_memory_kind}
