@@ -30,6 +30,8 @@ Measured side by side in one run on one device and written with provenance to
    (``compile_cuda_graph``: the compiled step captured). ``--training-rounds`` repeats each run
    (BF16, then NVFP4, per round) and reports the median ratio and its spread: the compiled modes'
    tokens/s differed by up to 16% between two sessions on lent H200s (BF16 ``compile``: 568k and 477k).
+   A compiled mode first trains each precision for two unrecorded steps (its first run in a process
+   was often the slowest).
 
 Timings come from :mod:`nvfp4lab.timing` (medians). Sections 1 and 2 repeat their measurements in
 ``--rounds`` rounds (default 5), the two sides of each ratio back to back within a round, and report
