@@ -232,8 +232,9 @@ def bench_training(device: str, preset: str, steps: int, rounds: int = 1,
                 continue
             shown = only is None or mode in only   # else run only for its BF16 runs, which a variant shown uses
             runs: dict[str, list[dict[str, Any]]] = {"bf16": [], "nvfp4": []}
-            precisions = [p for p in (("bf16", "nvfp4") if shown else ("bf16",))
-                          if not (mode in options and p == "bf16")]   # BF16 has no layer graphs: its base mode's runs
+            order = ("bf16", "nvfp4") if shown else ("bf16",)
+            # the precisions this mode trains itself: BF16 has no layer graphs, a variant takes its base mode's runs
+            precisions = [p for p in order if not (mode in options and p == "bf16")]
 
             def train_run(precision: str, n: int, tag: str):
                 torch._dynamo.reset()
@@ -249,7 +250,7 @@ def bench_training(device: str, preset: str, steps: int, rounds: int = 1,
                 for precision in precisions:
                     train_run(precision, 2, "warm")
             for r in range(rounds):
-                for precision in ("bf16", "nvfp4") if shown else ("bf16",):
+                for precision in order:
                     if precision not in precisions:
                         runs["bf16"] = bf16_runs[options[mode][0]]
                         continue
